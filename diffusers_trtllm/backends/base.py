@@ -1,0 +1,175 @@
+"""The contract between plans and kernels: packed inputs, the per-call kernel plan, results, the registry.
+
+Every backend takes one :class:`VarlenQKV` (sequences packed along the token axis, FlashInfer's ragged layout)
+and one :class:`KernelPlan`, and returns a :class:`KernelResult`. Backends declare what they support, so that
+an explicit choice that cannot run raises with the reason and ``auto`` can pick the best one that can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from ..config import AttnQuantSpec
+
+DEFAULT_TILE = (128, 128)  # (query rows, key columns) per skip decision: FMHAv2's granularity on Hopper
+
+
+@dataclass
+class VarlenQKV:
+    """A batch of attention problems packed along the token axis.
+
+    q: ``[total_q, heads_q, head_dim]``; k, v: ``[total_kv, heads_kv, head_dim]`` with ``heads_q % heads_kv == 0``
+    (grouped-query attention when they differ). Sequence ``i`` owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of
+    q and ``cu_seqlens_kv[i]:cu_seqlens_kv[i+1]`` of k and v. ``seqlens_q`` / ``seqlens_kv`` are the same lengths
+    on the host, so planning never waits for the GPU.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    seqlens_q: tuple[int, ...]
+    seqlens_kv: tuple[int, ...]
+    _cu_cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.q.dim() != 3 or self.k.dim() != 3 or self.v.dim() != 3:
+            raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {tuple(self.q.shape)}, "
+                             f"{tuple(self.k.shape)}, {tuple(self.v.shape)}")
+        if len(self.seqlens_q) != len(self.seqlens_kv):
+            raise ValueError(f"{len(self.seqlens_q)} query lengths but {len(self.seqlens_kv)} key lengths")
+        if sum(self.seqlens_q) != self.q.shape[0] or sum(self.seqlens_kv) != self.k.shape[0]:
+            raise ValueError(f"lengths {self.seqlens_q}/{self.seqlens_kv} do not add up to "
+                             f"{self.q.shape[0]}/{self.k.shape[0]} tokens")
+        if self.q.shape[1] % self.k.shape[1]:
+            raise ValueError(f"query heads {self.q.shape[1]} not a multiple of key heads {self.k.shape[1]}")
+
+    @classmethod
+    def from_bshd(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "VarlenQKV":
+        """Pack equal-length ``[batch, seq, heads, head_dim]`` tensors (a view when they are contiguous)."""
+        b, sq = q.shape[:2]
+        skv = k.shape[1]
+        return cls(q.reshape(b * sq, *q.shape[2:]), k.reshape(b * skv, *k.shape[2:]),
+                   v.reshape(b * skv, *v.shape[2:]), (sq,) * b, (skv,) * b)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqlens_q)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.seqlens_q)
+
+    @property
+    def max_seqlen_kv(self) -> int:
+        return max(self.seqlens_kv)
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def uniform(self) -> bool:
+        """All sequences have the same query length and the same key length."""
+        return len(set(self.seqlens_q)) == 1 and len(set(self.seqlens_kv)) == 1
+
+    def cu_seqlens(self, which: str) -> torch.Tensor:
+        """Cumulative lengths ``[batch + 1]`` int32 on the tensors' device (``which`` is ``"q"`` or ``"kv"``),
+        built once per batch."""
+        if which not in self._cu_cache:
+            lens = self.seqlens_q if which == "q" else self.seqlens_kv
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            self._cu_cache[which] = torch.tensor(cu, dtype=torch.int32, device=self.q.device)
+        return self._cu_cache[which]
+
+    def sequences(self):
+        """Yield ``(q_i, k_i, v_i, q_slice)`` per sequence, views into the packed tensors."""
+        oq = okv = 0
+        for nq, nkv in zip(self.seqlens_q, self.seqlens_kv):
+            yield (self.q[oq:oq + nq], self.k[okv:okv + nkv], self.v[okv:okv + nkv], slice(oq, oq + nq))
+            oq += nq
+            okv += nkv
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one attention call runs: backend, softmax scale, causality, skip factor, SAGE quantization.
+
+    ``skip_factor`` is FlashInfer's ``skip_softmax_threshold_scale_factor``: sequence ``i`` skips with
+    λ_i = skip_factor / kv_len_i; 0 disables skipping. ``tile`` is ``(query rows, key columns)`` per skip decision.
+    ``count_skips`` asks the backend to count skipped tiles (when it can).
+    """
+
+    backend: str
+    scale: float
+    causal: bool = False
+    skip_factor: float = 0.0
+    quant: AttnQuantSpec | None = None
+    tile: tuple[int, int] = DEFAULT_TILE
+    count_skips: bool = False
+
+    @property
+    def skips(self) -> bool:
+        return self.skip_factor > 0.0
+
+
+@dataclass
+class KernelResult:
+    """``out`` has q's shape and dtype. ``skipped_tiles`` / ``total_tiles`` count KV tiles (summed over heads and
+    query tiles) when the backend counted them, as ints or 0-dim tensors (left on the device to avoid a sync);
+    ``None`` when it did not."""
+
+    out: torch.Tensor
+    skipped_tiles: int | torch.Tensor | None = None
+    total_tiles: int | torch.Tensor | None = None
+
+
+class Backend(Protocol):
+    """A backend: a name, its capability check and its run function."""
+
+    name: str
+
+    def unavailable_reason(self, plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+        """``None`` when this backend can run ``plan`` on ``qkv`` here, else a sentence saying why not."""
+
+    def run(self, qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
+        """Run attention. Shapes and layout: see :class:`VarlenQKV`."""
+
+
+@dataclass(frozen=True)
+class FunctionBackend:
+    """A backend made of two functions, registered with :func:`register_backend`."""
+
+    name: str
+    check: Callable[[KernelPlan, VarlenQKV], str | None]
+    runner: Callable[[VarlenQKV, KernelPlan], KernelResult]
+    priority: int = 0  # higher is preferred by ``auto``
+
+    def unavailable_reason(self, plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+        return self.check(plan, qkv)
+
+    def run(self, qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
+        return self.runner(qkv, plan)
+
+
+_REGISTRY: dict[str, FunctionBackend] = {}
+
+
+def register_backend(name: str, runner, check, priority: int = 0) -> FunctionBackend:
+    """Add a backend to the registry (``priority``: higher is preferred by ``auto``)."""
+    backend = FunctionBackend(name, check, runner, priority)
+    _REGISTRY[name] = backend
+    return backend
+
+
+def get_backend(name: str) -> FunctionBackend:
+    return _REGISTRY[name]
+
+
+def registered_backends() -> list[FunctionBackend]:
+    """All backends, most preferred first."""
+    return sorted(_REGISTRY.values(), key=lambda b: -b.priority)

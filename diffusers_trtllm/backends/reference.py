@@ -1,0 +1,121 @@
+"""``TORCH_REFERENCE``: tiled online-softmax attention with Skip-Softmax and SAGE, in PyTorch, on any device.
+
+The ground truth for tests and calibration. It follows the kernels' tile structure: queries in tiles of
+``tile[0]`` rows, keys in tiles of ``tile[1]`` columns, a running max / row sum / accumulator per query row.
+A KV tile is skipped for a query tile (no exp, no P·V, no update of the running max) when for every row r of
+the query tile ``exp(tile_max_r - running_max_r) < λ`` (scores already scaled), λ = skip_factor / kv_len. The
+first KV tile is never skipped (the running max starts at -inf). Memory is bounded by
+``query_chunk × tile[1] × heads``, never S × S, so 32k-token problems run on a CPU.
+
+Computation runs in float32 (float64 when the inputs are float64); the output is cast back to q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import TORCH_REFERENCE
+from ..quant import P_SCALE, quantize_p, quantize_sequence
+from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
+
+QUERY_CHUNK = 2048  # query rows processed together; a multiple of every supported tile height
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
+                        skip_lambda: float = 0.0, quant=None, tile: tuple[int, int] = (128, 128),
+                        query_chunk: int = QUERY_CHUNK) -> tuple[torch.Tensor, int, int]:
+    """Attention of one sequence. q ``[Sq, Hq, D]``, k/v ``[Skv, Hkv, D]`` (GQA when Hkv < Hq).
+
+    ``skip_lambda`` is λ (0 = dense); ``quant`` an :class:`~diffusers_trtllm.config.AttnQuantSpec` or None.
+    Returns ``(out [Sq, Hq, D] in q's dtype, skipped tiles, total tiles)``; tiles count (head, query tile,
+    KV tile) triples. ``causal`` aligns the last query with the last key.
+    """
+    out_dtype = q.dtype
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    sq, hq, d = q.shape
+    skv, hkv = k.shape[:2]
+    tq, tk = tile
+    chunk = max(tq, query_chunk // tq * tq)
+    q, k, v = (x.to(compute) for x in (q, k, v))
+    if hkv != hq:
+        k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    v_scale = None
+    if quant is not None:
+        sage = quantize_sequence(q, k, v, quant.q_block_size, quant.k_block_size, quant.dtype_qk)
+        q, k, v, v_scale = sage.q * (sage.q_scale * scale), sage.k * sage.k_scale, sage.v, sage.v_scale
+        # scores = (q_values · k_values) * q_scale * k_scale * softmax scale, folded into q and k above; exact for
+        # int8 values (|sum| < 2^24) and fp8 values up to fp32 accumulation order.
+    else:
+        q = q * scale
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, S, D]
+    out = torch.empty(hq, sq, d, dtype=compute, device=q.device)
+    skipped = total = 0
+    for c0 in range(0, sq, chunk):
+        rows = min(chunk, sq - c0)
+        qc = qh[:, c0:c0 + rows]
+        m = torch.full((hq, rows), -math.inf, dtype=compute, device=q.device)
+        lsum = torch.zeros(hq, rows, dtype=compute, device=q.device)
+        acc = torch.zeros(hq, rows, d, dtype=compute, device=q.device)
+        ntq = -(-rows // tq)
+        row_pad = ntq * tq - rows
+        for j0 in range(0, skv, tk):
+            s = qc @ kh[:, j0:j0 + tk].transpose(1, 2)  # [H, rows, tk]
+            if causal:
+                qpos = torch.arange(c0, c0 + rows, device=q.device)[:, None] + (skv - sq)
+                kpos = torch.arange(j0, min(j0 + tk, skv), device=q.device)[None, :]
+                s = s.masked_fill(kpos > qpos, -math.inf)
+            tmax = s.amax(dim=-1)
+            new_m = torch.maximum(m, tmax)
+            if skip_lambda > 0.0:
+                # A row finds this tile negligible when it adds nothing (all masked) or when its max is far
+                # below the running max; a row with no running max yet (first tile) never does.
+                below = (tmax == -math.inf) | ((m > -math.inf) & (torch.exp(tmax - m) < skip_lambda))
+                padded = torch.nn.functional.pad(below, (0, row_pad), value=True)
+                tile_skip = padded.view(hq, ntq, tq).all(dim=-1)  # [H, ntq]
+                skipped += int(tile_skip.sum())
+                skip_rows = tile_skip.repeat_interleave(tq, dim=1)[:, :rows]
+                new_m = torch.where(skip_rows, m, new_m)
+            else:
+                skip_rows = None
+            total += hq * ntq
+            safe_m = torch.where(new_m == -math.inf, torch.zeros_like(new_m), new_m)
+            p = torch.exp(s - safe_m[..., None])
+            alpha = torch.exp(m - safe_m)
+            pv_in = quantize_p(p) if quant is not None else p
+            pv = pv_in @ vh[:, j0:j0 + tk]
+            if skip_rows is not None:
+                keep = (~skip_rows).to(compute)
+                p_sum = p.sum(-1) * keep
+                pv = pv * keep[..., None]
+                alpha = torch.where(skip_rows, torch.ones_like(alpha), alpha)
+            else:
+                p_sum = p.sum(-1)
+            lsum = lsum * alpha + p_sum
+            acc = acc * alpha[..., None] + pv
+            m = new_m
+        out[:, c0:c0 + rows] = acc / lsum[..., None]
+    if quant is not None:
+        out = out * (v_scale[:, None, :] / P_SCALE)
+    return out.transpose(0, 1).to(out_dtype), skipped, total
+
+
+def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
+    out = torch.empty_like(qkv.q)
+    skipped = total = 0
+    for (q, k, v, rows), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
+        lam = plan.skip_factor / kv_len if plan.skips else 0.0
+        o, s, t = reference_attention(q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=plan.quant,
+                                      tile=plan.tile)
+        out[rows] = o
+        skipped += s
+        total += t
+    return KernelResult(out, skipped, total)
+
+
+def _check(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+    return None  # any device, dtype, head_dim and feature
+
+
+REFERENCE_BACKEND = register_backend(TORCH_REFERENCE, _run, _check, priority=0)

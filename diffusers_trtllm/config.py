@@ -1,0 +1,291 @@
+"""What the user asked for: attention backend, Skip-Softmax and SAGE settings, per role.
+
+The vocabulary is vLLM-Omni's ``TRTLLM_ATTN`` contract (``--diffusion-attention-config``), so one JSON string
+configures both::
+
+    {"default": {"backend": "TRTLLM_ATTN",
+                 "skip_softmax": {"target_sparsity": 0.65, "disabled_until_timestep": 0.86}},
+     "per_role": {"cross": {"backend": "TORCH_SDPA"}}}
+
+Specs are immutable and validated on construction; every error names the field, the value and what is valid.
+Nothing here looks at the GPU: whether a backend can run is decided when a plan is made (``plan.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from .errors import AttentionConfigError, invalid
+
+AUTO = "auto"
+TRTLLM_ATTN = "TRTLLM_ATTN"
+TORCH_REFERENCE = "TORCH_REFERENCE"
+TORCH_SDPA = "TORCH_SDPA"
+BACKEND_NAMES = (AUTO, TRTLLM_ATTN, TORCH_REFERENCE, TORCH_SDPA)
+# Spellings used by the vLLM-Omni design notes and CLI; all map to the canonical names above.
+BACKEND_ALIASES = {"TRTLLM-GEN": TRTLLM_ATTN, "TRTLLM_GEN": TRTLLM_ATTN, "TRTLLM": TRTLLM_ATTN, "SDPA": TORCH_SDPA,
+                   "REFERENCE": TORCH_REFERENCE}
+# Backends that implement Skip-Softmax and SAGE; TORCH_SDPA is a dense baseline only.
+FEATURE_BACKENDS = (AUTO, TRTLLM_ATTN, TORCH_REFERENCE)
+
+QK_DTYPES = ("int8", "fp8_e4m3")
+SAGE_BLOCK_SIZES = (1, 4, 16)
+ROLE_CATEGORIES = ("self", "cross", "joint")
+
+
+def _check_number(field_name: str, value, low: float | None = None, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(field_name, value, _range_text(low, high))
+    value = float(value)
+    if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
+        raise invalid(field_name, value, _range_text(low, high))
+    return value
+
+
+def _range_text(low, high) -> str:
+    if high is None:
+        return f"a finite number >= {low:g}"
+    return f"a finite number in [{low:g}, {high:g}]"
+
+
+def _reject_unknown_keys(where: str, data: Mapping, allowed) -> None:
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise AttentionConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(allowed)}")
+
+
+@dataclass(frozen=True)
+class SkipSoftmaxSpec:
+    """Skip-Softmax (BLASST) sparsity.
+
+    Exactly one of ``target_sparsity`` (a point on a calibrated curve, factor = a·exp(b·s)) and ``threshold``
+    (λ itself: a KV tile is skipped when every row's ``exp(tile_max - running_max) < λ``) is set, or neither
+    (then only the gate is configured and nothing is skipped). Skipping is off while the normalized timestep
+    t = timestep / num_train_timesteps is above ``disabled_until_timestep`` (0 = never off).
+    """
+
+    target_sparsity: float | None = None
+    threshold: float | None = None
+    disabled_until_timestep: float = 0.0
+
+    def __post_init__(self):
+        if self.target_sparsity is not None:
+            object.__setattr__(self, "target_sparsity",
+                               _check_number("skip_softmax.target_sparsity", self.target_sparsity, 0.0, 1.0))
+        if self.threshold is not None:
+            object.__setattr__(self, "threshold", _check_number("skip_softmax.threshold", self.threshold, 0.0))
+            if self.threshold >= 1.0:
+                warnings.warn(f"skip_softmax.threshold={self.threshold:g} >= 1 skips nearly every KV tile; "
+                              "typical values are 0.01-0.9", stacklevel=3)
+        if self.target_sparsity is not None and self.threshold is not None:
+            raise AttentionConfigError(
+                f"skip_softmax.target_sparsity={self.target_sparsity!r} and skip_softmax.threshold="
+                f"{self.threshold!r} are mutually exclusive: set one of them")
+        object.__setattr__(self, "disabled_until_timestep", _check_number(
+            "skip_softmax.disabled_until_timestep", self.disabled_until_timestep, 0.0, 1.0))
+
+    @property
+    def skips(self) -> bool:
+        """Whether any tile can be skipped (a target or threshold is set)."""
+        return self.target_sparsity is not None or self.threshold is not None
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "SkipSoftmaxSpec":
+        _reject_unknown_keys("skip_softmax", data, [f.name for f in dataclasses.fields(cls)])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class AttnQuantSpec:
+    """SAGE quantization: Q/K per block of ``q_block_size`` / ``k_block_size`` tokens to ``dtype_qk``, K smoothed,
+    V per channel to fp8_e4m3. ``dtype_qk=None`` means no quantization (dense)."""
+
+    dtype_qk: str | None = None
+    q_block_size: int = 1
+    k_block_size: int = 16
+
+    def __post_init__(self):
+        if self.dtype_qk is not None and self.dtype_qk not in QK_DTYPES:
+            raise invalid("quant.dtype_qk", self.dtype_qk, f"one of {list(QK_DTYPES)} or null")
+        for name in ("q_block_size", "k_block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in SAGE_BLOCK_SIZES:
+                raise invalid(f"quant.{name}", value, f"one of {list(SAGE_BLOCK_SIZES)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.dtype_qk is not None
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "AttnQuantSpec":
+        _reject_unknown_keys("quant", data, [f.name for f in dataclasses.fields(cls)])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention setting: a backend, optionally with Skip-Softmax and/or SAGE quantization."""
+
+    backend: str = AUTO
+    skip_softmax: SkipSoftmaxSpec | None = None
+    quant: AttnQuantSpec | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "backend", canonical_backend(self.backend))
+        if isinstance(self.skip_softmax, Mapping):
+            object.__setattr__(self, "skip_softmax", SkipSoftmaxSpec.from_dict(self.skip_softmax))
+        if isinstance(self.quant, Mapping):
+            object.__setattr__(self, "quant", AttnQuantSpec.from_dict(self.quant))
+        if self.skip_softmax is not None and not isinstance(self.skip_softmax, SkipSoftmaxSpec):
+            raise invalid("skip_softmax", self.skip_softmax, "a SkipSoftmaxSpec, a dict or null")
+        if self.quant is not None and not isinstance(self.quant, AttnQuantSpec):
+            raise invalid("quant", self.quant, "an AttnQuantSpec, a dict or null")
+        if self.quant is not None and not self.quant.enabled:
+            object.__setattr__(self, "quant", None)
+        if self.backend not in FEATURE_BACKENDS:
+            for name, value in (("skip_softmax", self.skip_softmax), ("quant", self.quant)):
+                if value is not None:
+                    raise AttentionConfigError(
+                        f"{name} is set but backend={self.backend!r} runs dense attention only; "
+                        f"{name} needs one of {list(FEATURE_BACKENDS)}")
+
+    @property
+    def skips(self) -> bool:
+        return self.skip_softmax is not None and self.skip_softmax.skips
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "AttentionSpec":
+        if not isinstance(data, Mapping):
+            raise invalid("spec", data, "a mapping with keys backend, skip_softmax, quant")
+        _reject_unknown_keys("spec", data, ["backend", "skip_softmax", "quant"])
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def canonical_backend(name) -> str:
+    """Map a user spelling of a backend name to its canonical name, or raise naming the valid ones."""
+    if not isinstance(name, str):
+        raise invalid("backend", name, f"one of {list(BACKEND_NAMES)}")
+    upper = name.strip().upper()
+    if upper == "AUTO":
+        return AUTO
+    upper = BACKEND_ALIASES.get(upper, upper)
+    if upper not in BACKEND_NAMES:
+        raise invalid("backend", name, f"one of {list(BACKEND_NAMES)} (aliases: {sorted(BACKEND_ALIASES)})")
+    return upper
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Attention settings for one pipeline: a ``default`` spec and optional ``per_role`` overrides.
+
+    ``per_role`` keys, from most to least specific (a matching key's spec replaces the whole spec):
+
+    1. a layer-name glob, matched with fnmatch against ``<component>.<layer>`` and ``<layer>``
+       (``"blocks.0.*"``, ``"transformer_2.blocks.3[0-9].attn1"``);
+    2. ``<component>.<role>`` then ``<component>.<category>`` (``"transformer_2.cross"``);
+    3. the exact role (``"self_attn"``, ``"cross_attn"``; each processor documents its roles);
+    4. the role category: ``self``, ``cross`` or ``joint``;
+    5. the component (``"transformer"``, ``"transformer_2"``);
+    6. ``default``.
+    """
+
+    default: AttentionSpec = field(default_factory=AttentionSpec)
+    per_role: Mapping[str, AttentionSpec] = field(default_factory=dict)
+
+    def __post_init__(self):
+        default = self.default
+        if isinstance(default, Mapping):
+            default = AttentionSpec.from_dict(default)
+        if not isinstance(default, AttentionSpec):
+            raise invalid("default", default, "an AttentionSpec or a dict")
+        object.__setattr__(self, "default", default)
+        if not isinstance(self.per_role, Mapping):
+            raise invalid("per_role", self.per_role, "a mapping of role -> spec")
+        roles = {}
+        for key, spec in self.per_role.items():
+            if not isinstance(key, str) or not key:
+                raise invalid("per_role key", key, "a non-empty string (role, category, component or layer glob)")
+            try:
+                roles[key] = spec if isinstance(spec, AttentionSpec) else AttentionSpec.from_dict(spec)
+            except AttentionConfigError as e:
+                raise AttentionConfigError(f"per_role[{key!r}]: {e}") from None
+        object.__setattr__(self, "per_role", MappingProxyType(roles))
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "AttentionConfig":
+        """Parse the ``--diffusion-attention-config`` shape: ``{"default": {...}, "per_role": {...}}``."""
+        if not isinstance(data, Mapping):
+            raise invalid("attention config", data, 'a JSON object like {"default": {"backend": "TRTLLM_ATTN"}}')
+        _reject_unknown_keys("attention config", data, ["default", "per_role"])
+        return cls(default=data.get("default", {}), per_role=data.get("per_role", {}))
+
+    @classmethod
+    def from_json(cls, text: str) -> "AttentionConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AttentionConfigError(f"attention config is not valid JSON ({e}): {text!r}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def coerce(cls, value: "AttentionConfig | AttentionSpec | Mapping | str | None") -> "AttentionConfig":
+        """Accept a config, a single spec (used as default), a dict, a JSON string or None (auto, dense)."""
+        if value is None:
+            return cls()
+        if isinstance(value, AttentionConfig):
+            return value
+        if isinstance(value, AttentionSpec):
+            return cls(default=value)
+        if isinstance(value, str):
+            return cls.from_json(value)
+        return cls.from_dict(value)
+
+    def to_dict(self) -> dict:
+        return {"default": self.default.to_dict(), "per_role": {k: v.to_dict() for k, v in self.per_role.items()}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def resolve(self, component: str, layer: str, role: str, category: str) -> tuple[str, AttentionSpec]:
+        """Return ``(matched key, spec)`` for one attention call site; see the class docstring for the order."""
+        from fnmatch import fnmatchcase
+
+        qualified = f"{component}.{layer}"
+        for key, spec in self.per_role.items():
+            if _is_glob_key(key) and (fnmatchcase(qualified, key) or fnmatchcase(layer, key)):
+                return key, spec
+        for key in (qualified, layer, f"{component}.{role}", f"{component}.{category}", role, category, component):
+            if key in self.per_role:
+                return key, self.per_role[key]
+        return "default", self.default
+
+    def check_keys(self, sites: list[tuple[str, str, str, str]]) -> None:
+        """Raise for a ``per_role`` key that names no call site among ``(component, layer, role, category)``."""
+        from fnmatch import fnmatchcase
+
+        names = set(ROLE_CATEGORIES)
+        for component, layer, role, category in sites:
+            names.update({component, role, category, f"{component}.{role}", f"{component}.{category}",
+                          layer, f"{component}.{layer}"})
+        for key in self.per_role:
+            if key in names or (_is_glob_key(key) and any(
+                    fnmatchcase(f"{c}.{layer}", key) or fnmatchcase(layer, key) for c, layer, _, _ in sites)):
+                continue
+            roles = sorted({s[2] for s in sites} | set(ROLE_CATEGORIES) | {s[0] for s in sites})
+            raise AttentionConfigError(
+                f"per_role key {key!r} matches no attention layer of this pipeline; valid keys are roles, "
+                f"categories and components {roles}, '<component>.<role>', or a glob over layer names such as "
+                f"{sites[0][0]}.{sites[0][1]!r}")
+
+
+def _is_glob_key(key: str) -> bool:
+    return any(ch in key for ch in "*?[")

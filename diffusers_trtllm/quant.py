@@ -1,0 +1,90 @@
+"""SAGE quantization in PyTorch: the reference every SAGE kernel of this package is checked against.
+
+Per sequence and per head:
+
+- K is smoothed: its mean over the sequence's tokens is subtracted. Each query row's scores then shift by one
+  constant, which softmax (and the Skip-Softmax rule, a difference of scores in one row) ignores.
+- Q and K are quantized per block of ``block_size`` consecutive tokens (all ``head_dim`` channels share the
+  block's scale): ``scale = amax / qmax`` with qmax 127 for int8 (round to nearest, clamp to ±127) and 448 for
+  fp8 e4m3 (round to nearest even by the cast). Blocks never straddle two sequences.
+- V is quantized per channel (one scale per head and channel over the sequence's tokens) to fp8 e4m3.
+- P (softmax numerators, in [0, 1] after the running max is subtracted) is quantized to fp8 e4m3 as P·448, so
+  the P·V product also runs in fp8; the row sums use unquantized P.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+P_SCALE = FP8_MAX  # P in [0, 1] is stored as fp8(P * 448)
+_TINY = 1e-12  # keeps an all-zero block's scale finite
+
+
+def qmax(dtype_qk: str) -> float:
+    return INT8_MAX if dtype_qk == "int8" else FP8_MAX
+
+
+def round_to(x: torch.Tensor, dtype_qk: str) -> torch.Tensor:
+    """Round already-scaled values onto the target grid, returned in x's dtype (exact values of the target type)."""
+    if dtype_qk == "int8":
+        return torch.round(x).clamp_(-INT8_MAX, INT8_MAX)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def quantize_blocks(x: torch.Tensor, block_size: int, dtype_qk: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize one sequence ``x [tokens, heads, D]`` per block of ``block_size`` tokens.
+
+    Returns ``(values [tokens, heads, D], scales [heads, ceil(tokens / block_size)])``: values hold exact int8 /
+    fp8 numbers in x's dtype, and ``values * scale`` (the scale broadcast over the block) approximates x.
+    """
+    t, h, d = x.shape
+    nblk = -(-t // block_size)
+    pad = nblk * block_size - t
+    xp = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
+    blocks = xp.reshape(nblk, block_size, h, d)
+    amax = blocks.abs().amax(dim=(1, 3))  # [nblk, h]
+    scale = amax.clamp_min(_TINY) / qmax(dtype_qk)
+    values = round_to(blocks / scale[:, None, :, None], dtype_qk).reshape(nblk * block_size, h, d)[:t]
+    return values, scale.transpose(0, 1).contiguous()
+
+
+def expand_block_scales(scale: torch.Tensor, block_size: int, tokens: int) -> torch.Tensor:
+    """``[heads, nblocks]`` block scales -> ``[tokens, heads, 1]`` per-token scales."""
+    return scale.repeat_interleave(block_size, dim=1)[:, :tokens].transpose(0, 1)[..., None]
+
+
+def quantize_v_per_channel(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v [tokens, heads, D]`` -> ``(fp8 values in v's dtype, scales [heads, D])``."""
+    scale = v.abs().amax(dim=0).clamp_min(_TINY) / FP8_MAX
+    return round_to(v / scale, "fp8_e4m3"), scale
+
+
+def quantize_p(p: torch.Tensor) -> torch.Tensor:
+    """Softmax numerators in [0, 1] -> fp8 values of ``p * 448`` (divide the P·V product by 448)."""
+    return round_to(p * P_SCALE, "fp8_e4m3")
+
+
+@dataclass
+class SageSequence:
+    """One sequence quantized for SAGE: integer/fp8 values and their scales, all in the compute dtype."""
+
+    q: torch.Tensor  # [Tq, H, D] quantized values
+    q_scale: torch.Tensor  # [Tq, H, 1] per-token view of the block scales
+    k: torch.Tensor  # [Tk, H, D] smoothed, quantized values
+    k_scale: torch.Tensor  # [Tk, H, 1]
+    v: torch.Tensor  # [Tk, H, D] fp8 values
+    v_scale: torch.Tensor  # [H, D]
+
+
+def quantize_sequence(q, k, v, q_block_size: int, k_block_size: int, dtype_qk: str) -> SageSequence:
+    """Quantize one sequence's Q, K, V (``[tokens, heads, D]``, any float dtype) as the module docstring says."""
+    k = k - k.mean(dim=0, keepdim=True)
+    qv, qs = quantize_blocks(q, q_block_size, dtype_qk)
+    kv, ks = quantize_blocks(k, k_block_size, dtype_qk)
+    vv, vs = quantize_v_per_channel(v)
+    return SageSequence(qv, expand_block_scales(qs, q_block_size, q.shape[0]), kv,
+                        expand_block_scales(ks, k_block_size, k.shape[0]), vv, vs)
