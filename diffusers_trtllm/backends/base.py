@@ -86,6 +86,11 @@ class VarlenQKV:
             self._cu_cache[which] = torch.tensor(cu, dtype=torch.int32, device=self.q.device)
         return self._cu_cache[which]
 
+    def tile_count(self, tile: tuple[int, int]) -> int:
+        """(head, query tile, KV tile) triples over the batch: the denominator of achieved sparsity."""
+        tq, tk = tile
+        return self.q.shape[1] * sum(-(-nq // tq) * -(-nkv // tk) for nq, nkv in zip(self.seqlens_q, self.seqlens_kv))
+
     def sequences(self):
         """Yield ``(q_i, k_i, v_i, q_slice)`` per sequence, views into the packed tensors."""
         oq = okv = 0

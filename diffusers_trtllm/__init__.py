@@ -1,0 +1,22 @@
+"""TRT-LLM attention (dense BF16, Skip-Softmax, SAGE) for diffusers video transformers.
+
+Layout: ``config`` (what the user asked) -> ``plan`` (what runs for this layer, step and GPU) -> ``backends`` /
+``kernels`` (how it runs). ``processors`` adapt each model family; ``install`` puts them on a pipeline;
+``session`` holds a pipeline's timestep and statistics; ``calibration`` reads and fits Skip-Softmax curves.
+"""
+
+from .calibration.curve import SkipCalibration
+from .cli import add_attention_args, config_from_args
+from .config import AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
+from .errors import AttentionConfigError, BackendUnavailableError
+from .install import TrtllmAttentionHandle, enable_trtllm_attention
+from .processors import TrtllmAttnProcessor, WanTrtllmAttnProcessor
+from .session import AttentionSession
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionConfig", "AttentionConfigError", "AttentionSession", "AttentionSpec", "AttnQuantSpec",
+    "BackendUnavailableError", "SkipCalibration", "SkipSoftmaxSpec", "TrtllmAttentionHandle", "TrtllmAttnProcessor",
+    "WanTrtllmAttnProcessor", "add_attention_args", "config_from_args", "enable_trtllm_attention",
+]

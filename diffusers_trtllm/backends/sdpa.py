@@ -1,0 +1,42 @@
+"""``TORCH_SDPA``: dense attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+The dense baseline on any device; PyTorch picks the kernel (cuDNN or flash on Hopper). Equal-length batches run
+as one call; ragged batches one call per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import TORCH_SDPA
+from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+    """``[B, S, H, D]`` in and out."""
+    gqa = q.shape[2] != k.shape[2]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=plan.causal, scale=plan.scale, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
+    if qkv.uniform:
+        b = qkv.batch_size
+        out = _sdpa(qkv.q.view(b, -1, *qkv.q.shape[1:]), qkv.k.view(b, -1, *qkv.k.shape[1:]),
+                    qkv.v.view(b, -1, *qkv.v.shape[1:]), plan)
+        return KernelResult(out.reshape(qkv.q.shape))
+    out = torch.empty_like(qkv.q)
+    for q, k, v, rows in qkv.sequences():
+        out[rows] = _sdpa(q[None], k[None], v[None], plan)[0]
+    return KernelResult(out)
+
+
+def _check(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+    if plan.skips or plan.quant is not None:
+        return "TORCH_SDPA runs dense attention only (no Skip-Softmax, no SAGE)"
+    return None
+
+
+SDPA_BACKEND = register_backend(TORCH_SDPA, _run, _check, priority=5)

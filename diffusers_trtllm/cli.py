@@ -1,0 +1,120 @@
+"""The vLLM-Omni command-line flags and their environment variables, as an :class:`AttentionConfig`.
+
+=====================================  ======================================  =================================
+flag                                   environment variable                    meaning
+=====================================  ======================================  =================================
+``--diffusion-attention-backend``      ``DIFFUSION_ATTENTION_BACKEND``         backend of the default spec
+``--diffusion-attention-config``       ``DIFFUSION_ATTENTION_CONFIG``          full JSON config
+``--trtllm-gen-sage``                  ``TRTLLM_GEN_SAGE=1``                   FP8 SAGE (q block 1, k block 16)
+``--trtllm-gen-target-sparsity``       ``TRTLLM_GEN_TARGET_SPARSITY``          Skip-Softmax target (calibrated)
+``--trtllm-gen-disabled-until-timestep``  ``TRTLLM_GEN_DISABLED_UNTIL_TIMESTEP``  keep steps with t > D dense
+=====================================  ======================================  =================================
+
+A flag and its variable may both be set only to the same value; the ``--trtllm-gen-*`` shortcuts edit the
+default spec and may not contradict ``--diffusion-attention-config`` or the backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Mapping
+
+from .config import AUTO, TRTLLM_ATTN, AttentionConfig, AttnQuantSpec, SkipSoftmaxSpec, canonical_backend
+from .errors import AttentionConfigError, invalid
+
+FLAGS = {  # dest -> (flag, environment variable)
+    "diffusion_attention_backend": ("--diffusion-attention-backend", "DIFFUSION_ATTENTION_BACKEND"),
+    "diffusion_attention_config": ("--diffusion-attention-config", "DIFFUSION_ATTENTION_CONFIG"),
+    "trtllm_gen_sage": ("--trtllm-gen-sage", "TRTLLM_GEN_SAGE"),
+    "trtllm_gen_target_sparsity": ("--trtllm-gen-target-sparsity", "TRTLLM_GEN_TARGET_SPARSITY"),
+    "trtllm_gen_disabled_until_timestep": ("--trtllm-gen-disabled-until-timestep",
+                                           "TRTLLM_GEN_DISABLED_UNTIL_TIMESTEP"),
+}
+SAGE_PRESET = AttnQuantSpec(dtype_qk="fp8_e4m3", q_block_size=1, k_block_size=16)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def add_attention_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the attention flags to ``parser`` (in their own argument group) and return it."""
+    group = parser.add_argument_group("attention (diffusers_trtllm)")
+    group.add_argument(FLAGS["diffusion_attention_backend"][0], default=None, metavar="NAME",
+                       help="TRTLLM_ATTN (alias trtllm-gen), TORCH_SDPA, TORCH_REFERENCE or auto")
+    group.add_argument(FLAGS["diffusion_attention_config"][0], default=None, metavar="JSON",
+                       help='e.g. {"default":{"backend":"TRTLLM_ATTN","skip_softmax":{"target_sparsity":0.65}}}')
+    group.add_argument(FLAGS["trtllm_gen_sage"][0], action="store_true", default=None,
+                       help="FP8 SAGE quantization (q block 1, k block 16)")
+    group.add_argument(FLAGS["trtllm_gen_target_sparsity"][0], type=float, default=None, metavar="S",
+                       help="Skip-Softmax target sparsity in [0, 1] (needs a calibrated checkpoint)")
+    group.add_argument(FLAGS["trtllm_gen_disabled_until_timestep"][0], type=float, default=None, metavar="D",
+                       help="keep denoising steps with normalized timestep t > D dense")
+    return parser
+
+
+def _env_value(dest: str, raw: str):
+    _, var = FLAGS[dest]
+    if dest == "trtllm_gen_sage":
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return None
+        raise invalid(var, raw, f"one of {list(_TRUE + _FALSE[:-1])}")
+    if dest.startswith("trtllm_gen_"):
+        try:
+            return float(raw)
+        except ValueError:
+            raise invalid(var, raw, "a number") from None
+    return raw
+
+
+def _setting(args: argparse.Namespace | None, environ: Mapping[str, str], dest: str):
+    flag, var = FLAGS[dest]
+    from_flag = getattr(args, dest, None) if args is not None else None
+    from_env = _env_value(dest, environ[var]) if var in environ else None
+    if from_flag is not None and from_env is not None and from_flag != from_env:
+        raise AttentionConfigError(f"{flag}={from_flag!r} contradicts {var}={environ[var]!r}; set one of them")
+    return from_flag if from_flag is not None else from_env
+
+
+def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+                     ) -> AttentionConfig:
+    """Build the config from parsed flags (see :func:`add_attention_args`) and environment variables."""
+    environ = os.environ if environ is None else environ
+    get = {dest: _setting(args, environ, dest) for dest in FLAGS}
+    config = AttentionConfig.coerce(get["diffusion_attention_config"])
+    default = config.default
+    backend = get["diffusion_attention_backend"]
+    if backend is not None:
+        backend = canonical_backend(backend)
+        if get["diffusion_attention_config"] is not None and default.backend not in (AUTO, backend):
+            raise AttentionConfigError(
+                f"--diffusion-attention-backend={backend} contradicts the config's default backend "
+                f"{default.backend}; set one of them")
+        default = dataclasses.replace(default, backend=backend)
+
+    shortcuts = {k: get[k] for k in ("trtllm_gen_sage", "trtllm_gen_target_sparsity",
+                                     "trtllm_gen_disabled_until_timestep") if get[k] is not None}
+    if shortcuts:
+        if default.backend not in (AUTO, TRTLLM_ATTN):
+            raise AttentionConfigError(
+                f"{', '.join(FLAGS[k][0] for k in shortcuts)} configure TRTLLM_ATTN but the backend is "
+                f"{default.backend}")
+        quant, skip = default.quant, default.skip_softmax
+        if "trtllm_gen_sage" in shortcuts:
+            if quant is not None and quant != SAGE_PRESET:
+                raise AttentionConfigError(f"--trtllm-gen-sage contradicts the config's quant {quant}")
+            quant = SAGE_PRESET
+        skip_fields = {"target_sparsity": shortcuts.get("trtllm_gen_target_sparsity"),
+                       "disabled_until_timestep": shortcuts.get("trtllm_gen_disabled_until_timestep")}
+        skip_fields = {k: v for k, v in skip_fields.items() if v is not None}
+        if skip_fields:
+            current = dataclasses.asdict(skip) if skip is not None else {}
+            clash = {k: v for k, v in skip_fields.items() if k in current and current[k] not in (None, 0.0, v)}
+            if clash or (skip is not None and skip.threshold is not None and "target_sparsity" in skip_fields):
+                raise AttentionConfigError(
+                    f"--trtllm-gen-* skip flags {skip_fields} contradict the config's skip_softmax {current}")
+            skip = SkipSoftmaxSpec(**{**current, **skip_fields})
+        default = dataclasses.replace(default, backend=TRTLLM_ATTN, quant=quant, skip_softmax=skip)
+    return AttentionConfig(default=default, per_role=config.per_role)
