@@ -1,0 +1,260 @@
+"""TRTLLM_ATTN's declared constraints: every refusal, on CPU, with the GPU architecture monkeypatched."""
+
+import types
+
+import pytest
+import torch
+
+from diffusers_trtllm.backends import get_backend, select_backend, trtllm
+from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
+from diffusers_trtllm.config import TRTLLM_ATTN, AttnQuantSpec
+from diffusers_trtllm.errors import BackendUnavailableError
+from diffusers_trtllm.kernels import flashinfer_fmha
+
+SCALE = 128 ** -0.5
+
+
+def make_qkv(seqlens_q=(256, 384), seqlens_kv=None, heads_q=4, heads_kv=4, head_dim=128, dtype=torch.bfloat16):
+    seqlens_kv = seqlens_q if seqlens_kv is None else seqlens_kv
+    q = torch.zeros(sum(seqlens_q), heads_q, head_dim, dtype=dtype)
+    kv = torch.zeros(sum(seqlens_kv), heads_kv, head_dim, dtype=dtype)
+    return VarlenQKV(q, kv, kv.clone(), tuple(seqlens_q), tuple(seqlens_kv))
+
+
+def plan(**kw):
+    return KernelPlan(TRTLLM_ATTN, SCALE, **kw)
+
+
+@pytest.fixture
+def flashinfer_ok(monkeypatch):
+    """Pretend an adequate FlashInfer is installed (the refusals under test are not about it)."""
+    monkeypatch.setattr(trtllm, "flashinfer_unavailable_reason", lambda function: None)
+
+
+def on_arch(monkeypatch, arch):
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: arch)
+
+
+def test_registered_with_priority():
+    backend = get_backend(TRTLLM_ATTN)
+    assert backend.priority == 10 and backend.runner is trtllm.run
+
+
+def test_cpu_tensors_refused():
+    reason = trtllm.unavailable_reason(plan(), make_qkv())
+    assert "CUDA GPU" in reason and "cpu" in reason
+
+
+def test_explicit_selection_raises_with_reason():
+    with pytest.raises(BackendUnavailableError, match="CUDA GPU"):
+        select_backend(TRTLLM_ATTN, plan(), make_qkv())
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_120", "sm_121"])
+def test_gpus_without_kernels_refused(monkeypatch, flashinfer_ok, arch):
+    on_arch(monkeypatch, arch)
+    reason = trtllm.unavailable_reason(plan(), make_qkv())
+    assert f"no TRT-LLM attention kernel for {arch}" in reason
+    assert ("workstation Blackwell" in reason) == arch.startswith("sm_12")
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_103"])
+def test_supported_gpus_accept_dense_and_skip(monkeypatch, flashinfer_ok, arch):
+    on_arch(monkeypatch, arch)
+    assert trtllm.unavailable_reason(plan(), make_qkv()) is None
+    assert trtllm.unavailable_reason(plan(skip_factor=5000.0), make_qkv(heads_q=32, heads_kv=8)) is None
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_causal_refused(monkeypatch, flashinfer_ok, arch):
+    on_arch(monkeypatch, arch)
+    assert "causal" in trtllm.unavailable_reason(plan(causal=True), make_qkv())
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 192, 256])
+def test_head_dim_other_than_128_refused(monkeypatch, flashinfer_ok, head_dim):
+    on_arch(monkeypatch, "sm_90")
+    reason = trtllm.unavailable_reason(plan(), make_qkv(head_dim=head_dim))
+    assert f"head_dim is {head_dim}" in reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dtypes_other_than_bf16_refused(monkeypatch, flashinfer_ok, dtype):
+    on_arch(monkeypatch, "sm_100")
+    assert "dtypes" in trtllm.unavailable_reason(plan(), make_qkv(dtype=dtype))
+
+
+def test_empty_sequence_refused(monkeypatch, flashinfer_ok):
+    on_arch(monkeypatch, "sm_100")
+    assert "empty" in trtllm.unavailable_reason(plan(), make_qkv((256, 0), (256, 0)))
+
+
+@pytest.mark.parametrize("seqlens_q,seqlens_kv,heads_kv", [
+    ((19320,), (19920,), 8),  # Cosmos 3 generation stream: FMHAv2 measured wrong (rel. err. 0.17)
+    ((4096,), (512,), 4),  # cross-attention: correct but slower than cuDNN
+    ((256, 384), (256, 512), 4),  # one sequence of a batch unequal
+])
+def test_hopper_refuses_unproven_query_key_lengths(monkeypatch, flashinfer_ok, seqlens_q, seqlens_kv, heads_kv):
+    on_arch(monkeypatch, "sm_90")
+    qkv = make_qkv(seqlens_q, seqlens_kv, heads_q=32 if heads_kv == 8 else 4, heads_kv=heads_kv)
+    reason = trtllm.unavailable_reason(plan(), qkv)
+    assert "equal query and key lengths" in reason
+
+
+def test_hopper_accepts_ragged_batch_of_self_attention(monkeypatch, flashinfer_ok):
+    on_arch(monkeypatch, "sm_90")
+    assert trtllm.unavailable_reason(plan(skip_factor=100.0), make_qkv((1000, 1531, 7))) is None
+
+
+def test_blackwell_accepts_cross_attention(monkeypatch, flashinfer_ok):
+    on_arch(monkeypatch, "sm_103")
+    assert trtllm.unavailable_reason(plan(), make_qkv((4096,), (512,))) is None
+
+
+def test_hopper_sage_without_triton_kernel_refused(monkeypatch, flashinfer_ok):
+    on_arch(monkeypatch, "sm_90")
+    monkeypatch.setattr(trtllm, "_triton_sage", lambda: None)
+    reason = trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="fp8_e4m3")), make_qkv())
+    assert "SAGE on Hopper" in reason and "triton_sage" in reason
+
+
+def test_hopper_sage_reason_comes_from_triton_kernel(monkeypatch, flashinfer_ok):
+    on_arch(monkeypatch, "sm_90")
+    fake = types.SimpleNamespace(triton_sage_unavailable_reason=lambda plan, qkv: "k block 1 not built")
+    monkeypatch.setattr(trtllm, "_triton_sage", lambda: fake)
+    assert trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="int8")), make_qkv()) == "k block 1 not built"
+
+
+def test_triton_sage_lookup_tolerates_only_its_own_absence():
+    module = trtllm._triton_sage()
+    assert module is None or hasattr(module, "triton_sage_attention")
+
+
+def test_int8_sage_refused_on_sm103(monkeypatch, flashinfer_ok):
+    on_arch(monkeypatch, "sm_103")
+    reason = trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="int8")), make_qkv())
+    assert "int8" in reason and "sm_103" in reason
+    assert trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="fp8_e4m3")), make_qkv()) is None
+
+
+@pytest.mark.parametrize("q_block,k_block,ok", [(1, 1, True), (1, 4, True), (1, 16, True), (4, 16, False),
+                                                (16, 16, False), (4, 1, False)])
+def test_sage_block_sizes_on_blackwell(monkeypatch, flashinfer_ok, q_block, k_block, ok):
+    on_arch(monkeypatch, "sm_100")
+    quant = AttnQuantSpec(dtype_qk="int8", q_block_size=q_block, k_block_size=k_block)
+    reason = trtllm.unavailable_reason(plan(quant=quant), make_qkv())
+    assert (reason is None) == ok
+    if not ok:
+        assert f"q={q_block}, k={k_block}" in reason
+
+
+def test_sage_specs_with_kernels():
+    assert [s.dtype_qk for s in trtllm.sage_specs_with_kernels("sm_100")] == ["int8", "fp8_e4m3"]
+    assert [s.dtype_qk for s in trtllm.sage_specs_with_kernels("sm_103")] == ["fp8_e4m3"]
+    assert trtllm.sage_specs_with_kernels("sm_90") == []
+
+
+# --------------------------------------------------------------------------- FlashInfer presence and version
+
+
+@pytest.fixture
+def fresh_flashinfer_check():
+    trtllm.flashinfer_unavailable_reason.cache_clear()
+    yield
+    trtllm.flashinfer_unavailable_reason.cache_clear()
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_flashinfer_missing_refused(monkeypatch, fresh_flashinfer_check, arch):
+    on_arch(monkeypatch, arch)
+    monkeypatch.setattr(trtllm, "flashinfer_version", lambda: None)
+    reason = trtllm.unavailable_reason(plan(), make_qkv())
+    assert "FlashInfer is not installed" in reason and "flashinfer-python" in reason
+
+
+def test_flashinfer_too_old_refused(monkeypatch, fresh_flashinfer_check):
+    on_arch(monkeypatch, "sm_100")
+    monkeypatch.setattr(trtllm, "flashinfer_version", lambda: "0.6.16rc1")
+    reason = trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="fp8_e4m3")), make_qkv())
+    assert "0.6.16rc1 is too old" in reason
+
+
+def test_flashinfer_import_failure_refused(monkeypatch, fresh_flashinfer_check):
+    on_arch(monkeypatch, "sm_90")
+    monkeypatch.setattr(trtllm, "flashinfer_version", lambda: "0.7.2.post1")
+
+    def broken():
+        raise ImportError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(trtllm, "flashinfer_prefill", broken)
+    assert "import flashinfer.prefill` failed" in trtllm.unavailable_reason(plan(), make_qkv())
+
+
+def test_flashinfer_lacking_an_argument_refused(monkeypatch, fresh_flashinfer_check):
+    on_arch(monkeypatch, "sm_90")
+    monkeypatch.setattr(trtllm, "flashinfer_version", lambda: "0.6.18")
+
+    def old_fmha_v2(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, max_kv_len, bmm1_scale, bmm2_scale,
+                    batch_size, cum_seq_lens_q, cum_seq_lens_kv, mask_mode="causal"):
+        pass
+
+    monkeypatch.setattr(trtllm, "flashinfer_prefill", lambda: types.SimpleNamespace(trtllm_fmha_v2_prefill=old_fmha_v2))
+    reason = trtllm.unavailable_reason(plan(), make_qkv())
+    assert "skip_softmax_threshold_scale_factor" in reason
+
+
+def test_installed_flashinfer_has_every_function(fresh_flashinfer_check):
+    pytest.importorskip("flashinfer")
+    for function in trtllm.REQUIRED_PARAMETERS:
+        assert trtllm.flashinfer_unavailable_reason(function) is None, function
+
+
+# --------------------------------------------------------------------------------- errors while running
+
+
+class _FailingPrefill:
+    def __init__(self, exc):
+        self.exc = exc
+
+    def trtllm_ragged_attention_deepseek(self, **kwargs):
+        raise self.exc
+
+
+@pytest.fixture
+def small_workspace(monkeypatch):
+    monkeypatch.setattr(flashinfer_fmha, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(flashinfer_fmha, "_workspaces", {})
+
+
+def test_missing_cubins_explained(monkeypatch, small_workspace):
+    on_arch(monkeypatch, "sm_100")
+    failing = _FailingPrefill(RuntimeError("Failed to get checksums.txt"))
+    monkeypatch.setattr(flashinfer_fmha, "flashinfer_prefill", lambda: failing)
+    with pytest.raises(flashinfer_fmha.CubinUnavailableError) as info:
+        trtllm.run(make_qkv(), plan())
+    message = str(info.value)
+    for needle in ("checksums.txt", "FLASHINFER_CUBIN_DIR", "FLASHINFER_NO_DOWNLOAD", "flashinfer-cubin"):
+        assert needle in message
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_other_kernel_errors_pass_through(monkeypatch, small_workspace):
+    on_arch(monkeypatch, "sm_100")
+    failing = _FailingPrefill(RuntimeError("Missing TRTLLM-GEN kernel ragged attention: numHeadsQPerKv=3"))
+    monkeypatch.setattr(flashinfer_fmha, "flashinfer_prefill", lambda: failing)
+    with pytest.raises(RuntimeError, match="Missing TRTLLM-GEN kernel") as info:
+        trtllm.run(make_qkv(), plan())
+    assert not isinstance(info.value, flashinfer_fmha.CubinUnavailableError)
+
+
+def test_run_on_unsupported_gpu_raises(monkeypatch):
+    on_arch(monkeypatch, "sm_120")
+    with pytest.raises(BackendUnavailableError, match="sm_120"):
+        trtllm.run(make_qkv(), plan())
+
+
+def test_warmup_validates_before_touching_a_gpu():
+    with pytest.raises(ValueError, match="float16"):
+        trtllm.warmup(device="cpu", dtypes=(torch.float16,))
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        trtllm.warmup(device="cpu")
