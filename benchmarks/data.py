@@ -1,0 +1,56 @@
+"""Attention inputs for the benchmarks: random, local ("peaky") and replayed from a real pipeline.
+
+All generators return packed ``[tokens, heads, head_dim]`` bf16 tensors on the given device.
+
+- ``random``: q, k, v ~ N(0, 1). Scores are small and near-uniform, the worst case for Skip-Softmax: hardly a
+  tile is negligible, so it measures the kernels' cost and the overhead of the skip test.
+- ``peaky``: the probes' model of a video transformer's locality. Tokens sit on a line; each token's q and k are
+  the same smooth positional feature (sin/cos of the position at 64 log-spaced frequencies from 1e-4 to 10^-0.5,
+  so nearby tokens are similar and far ones are not) plus independent N(0, 0.3²) noise, all times ``sharpness``.
+  A query's scores then peak around its own position and fall off with distance; ``sharpness`` sets how fast
+  (3 gives rel. err. ~2e-3 at a 1.3-1.4x skip speed-up at Wan's size). v ~ N(0, 1).
+- ``replay``: q, k, v saved from a real pipeline with :func:`save_qkv` (e.g. from a processor's call), loaded
+  with :func:`load_qkv`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_qkv(tokens: int, heads: int, head_dim: int = 128, device="cuda", seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(tokens, heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+            for _ in range(3)]
+
+
+def peaky_qkv(tokens: int, heads: int, head_dim: int = 128, sharpness: float = 3.0, device="cuda", seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pos = torch.arange(tokens, device=device, dtype=torch.float32)[:, None]
+    freqs = torch.logspace(-4, -0.5, head_dim // 2, device=device)[None, :]
+    feature = torch.cat([torch.sin(pos * freqs), torch.cos(pos * freqs)], dim=1)[:, None, :]  # [S, 1, D]
+
+    def noisy():
+        noise = torch.randn(tokens, heads, head_dim, device=device, generator=gen) * 0.3
+        return ((feature + noise) * sharpness).to(torch.bfloat16)
+
+    q, k = noisy(), noisy()
+    v = torch.randn(tokens, heads, head_dim, device=device, generator=gen).to(torch.bfloat16)
+    return [q, k, v]
+
+
+def save_qkv(path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **meta) -> None:
+    """Save one attention call's inputs (``[S, H, D]`` or ``[B, S, H, D]``) for ``--qkv`` replay."""
+    torch.save({"q": q.detach().cpu(), "k": k.detach().cpu(), "v": v.detach().cpu(), **meta}, path)
+
+
+def load_qkv(path: str, device="cuda"):
+    """Load :func:`save_qkv`'s file as packed ``[S, H, D]`` bf16 tensors (the first batch element of a 4-D save)."""
+    data = torch.load(path, map_location="cpu")
+    out = []
+    for name in ("q", "k", "v"):
+        t = data[name]
+        if t.dim() == 4:
+            t = t[0]
+        out.append(t.to(device=device, dtype=torch.bfloat16).contiguous())
+    return out
