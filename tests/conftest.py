@@ -1,3 +1,8 @@
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests import their shared helpers as a plain module
+
 import pytest
 import torch
 

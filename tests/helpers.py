@@ -1,0 +1,30 @@
+"""Shared test inputs: tiny Wan transformer calls and relative-error metrics."""
+
+import torch
+
+from diffusers_trtllm.tiny_pipelines import TINY_TEXT_DIM, TINY_TEXT_LEN, tiny_wan_transformer
+
+I2V_IMAGE_DIM = 24
+I2V_IMAGE_TOKENS = 257
+
+
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def wan_inputs(batch=2, frames=3, height=16, width=16, i2v=False, timestep=500):
+    inputs = dict(hidden_states=torch.randn(batch, 16, frames, height, width),
+                  timestep=torch.full((batch,), timestep, dtype=torch.long),
+                  encoder_hidden_states=torch.randn(batch, TINY_TEXT_LEN, TINY_TEXT_DIM), return_dict=False)
+    if i2v:
+        inputs["encoder_hidden_states_image"] = torch.randn(batch, I2V_IMAGE_TOKENS, I2V_IMAGE_DIM)
+    return inputs
+
+
+def tiny_wan(i2v=False, **kwargs):
+    extra = dict(image_dim=I2V_IMAGE_DIM, added_kv_proj_dim=32) if i2v else {}
+    return tiny_wan_transformer(**extra, **kwargs)
