@@ -8,13 +8,9 @@ from __future__ import annotations
 
 from ..config import AUTO
 from ..errors import BackendUnavailableError
-from . import reference, sdpa  # noqa: F401  (registration)
+from . import reference, sdpa, trtllm  # noqa: F401  (registration)
 from .base import KernelPlan, KernelResult, VarlenQKV, get_backend, registered_backends
 
-import importlib.util
-
-if importlib.util.find_spec(f"{__name__}.trtllm") is not None:  # TODO(core): plain import once trtllm.py lands
-    importlib.import_module(f"{__name__}.trtllm")
 
 
 def select_backend(requested: str, plan: KernelPlan, qkv: VarlenQKV) -> tuple[str, str]:
