@@ -1,0 +1,1 @@
+"""Attention kernels and the calls into them: FlashInfer bindings and the project's own Triton kernels."""

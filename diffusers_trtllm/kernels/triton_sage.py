@@ -1,0 +1,496 @@
+"""SAGE attention with Skip-Softmax for Hopper (sm_90): fused Triton kernels.
+
+FlashInfer has no per-block SAGE kernel for sm_90 (its FMHAv2 takes fp8 with one scale per tensor), so this
+module is the project's own. It implements exactly the semantics of :mod:`diffusers_trtllm.quant` and
+:func:`diffusers_trtllm.backends.reference.reference_attention`, so that Skip-Softmax calibrations made with the
+reference transfer:
+
+- Q and K quantized per block of 1, 4 or 16 tokens (blocks aligned to each sequence's start) to int8 or
+  fp8 e4m3, K smoothed by its per-sequence mean; V per channel to fp8 e4m3;
+- Q·Kᵀ on the tensor cores in int8 (int32 accumulation, exact) or fp8 (fp32 accumulation), P quantized to
+  fp8 as ``P·448`` and P·V in fp8 with fp32 accumulation across KV tiles; row sums from unquantized P;
+- Skip-Softmax: a KV tile is skipped for a query tile when every row has ``exp(tile_max - running_max) < λ``
+  with ``λ_i = skip_factor / kv_len_i``; a skipped tile leaves the running max, row sum and accumulator alone.
+
+Two launches quantize, one attends:
+
+1. ``_kv_stats_kernel`` — a reduction over K and V: per (sequence, kv head, channel) the sum of K (for the
+   smoothing mean) and the max of |V| (for V's per-channel scale), accumulated with atomics.
+2. ``_sage_quantize_kernel`` — one pass over Q, K and V writing int8/fp8 values and their scales.
+3. ``_sage_attention_kernel`` — the attention itself, Skip-Softmax in the same kernel, optional skip counting.
+
+Runs where Triton has fp8 tensor-core dots: sm_89 and newer (only sm_90, an H200, was measured). Under
+``TRITON_INTERPRET=1`` the same kernels run on the CPU (slowly; for tests).
+"""
+
+from __future__ import annotations  # keeps Triton's "tl.constexpr" annotations unevaluated when Triton is absent
+
+import math
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..backends.base import KernelPlan, KernelResult, VarlenQKV
+from ..config import AttnQuantSpec
+from ..quant import FP8_MAX, INT8_MAX, P_SCALE
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch wheels ship without Triton; the module still answers why it cannot run
+    triton = tl = None
+
+HEAD_DIM = 128
+TINY_SCALE = 1e-12  # same floor as quant._TINY: an all-zero block keeps a finite scale
+V_TOKEN_ALIGN = 16  # each sequence's V^T columns start on a 16-byte boundary, so V loads vectorize
+STATS_TOKENS = 64  # tokens per program in the two quantization passes (a multiple of every SAGE block size)
+ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 to the nearest integer, ties to even
+LOG2E = 1.4426950408889634
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+_constexpr = tl.constexpr if tl is not None else (lambda value: value)
+# Kernels may read only constexpr globals.
+_V_TOKEN_ALIGN = _constexpr(V_TOKEN_ALIGN)
+_TINY_SCALE = _constexpr(TINY_SCALE)
+_FP8_MAX = _constexpr(FP8_MAX)
+_P_SCALE = _constexpr(P_SCALE)
+_ROUND_MAGIC = _constexpr(ROUND_MAGIC)
+_LOG2_P_SCALE = _constexpr(math.log2(P_SCALE))
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Tile shape and schedule of the attention kernel.
+
+    With skipping on, ``block_m × block_n`` is the skip-decision tile and must equal ``plan.tile``; dense runs
+    may use any shape (see :data:`DENSE_LAUNCH`).
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    # True: a skipped tile also skips its P·V product, but Triton then cannot software-pipeline the V load (its
+    # dot sits in a branch). False: the P·V product always runs (on P = 0 for a skipped tile), only exp and the
+    # softmax arithmetic are skipped, and V stays pipelined.
+    skip_whole_tile: bool = True
+
+
+DENSE_LAUNCH = AttentionLaunch()  # the fastest shape measured on the H200 (benchmarks/sage.py)
+
+
+class SageQuantized(NamedTuple):
+    """Q, K, V of one packed batch quantized for SAGE (output of :func:`sage_quantize`).
+
+    For ``B`` sequences, ``Tq``/``Tk`` packed query/key tokens, ``Hq``/``Hkv`` heads, ``D = 128``:
+
+    - ``q``: ``[Tq, Hq, D]`` int8 or ``torch.float8_e4m3fn``; ``k``: ``[Tk, Hkv, D]``, same dtype, K smoothed.
+    - ``q_scale``: ``[Hq, ceil(Tq / q_block) + B - 1]`` float32; sequence ``i``'s blocks start at column
+      ``cu_seqlens_q[i] // q_block + i`` (blocks never straddle sequences; the ``+ i`` makes room for each
+      sequence's partial last block). ``k_scale`` likewise with ``k_block`` and ``cu_seqlens_kv``.
+    - ``v_t``: ``[Hkv, D, 16 * (ceil(Tk / 16) + B)]`` ``torch.float8_e4m3fn``, V transposed (tokens
+      contiguous, the K-major operand layout Hopper's fp8 tensor cores need for P·V); sequence ``i``'s tokens
+      start at column ``16 * (ceil(cu_seqlens_kv[i] / 16) + i)``; its columns past the last token, up to a
+      multiple of 16, hold zeros.
+    - ``v_scale``: ``[B, Hkv, D]`` float32, one scale per sequence, head and channel.
+
+    ``value ≈ quantized value × scale`` for every tensor, exactly as :func:`diffusers_trtllm.quant.quantize_sequence`.
+    """
+
+    q: torch.Tensor
+    q_scale: torch.Tensor
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    v_t: torch.Tensor
+    v_scale: torch.Tensor
+    q_block: int
+    k_block: int
+
+
+def scale_columns(tokens: int, batch: int, block: int) -> int:
+    """Columns of a block-scale tensor for ``tokens`` packed tokens in ``batch`` sequences."""
+    return -(-tokens // block) + batch - 1
+
+
+def v_columns(tokens: int, batch: int) -> int:
+    """Columns of ``SageQuantized.v_t`` for ``tokens`` packed key tokens in ``batch`` sequences."""
+    return V_TOKEN_ALIGN * (-(-tokens // V_TOKEN_ALIGN) + batch)
+
+
+def _qk_torch_dtype(quant: AttnQuantSpec) -> torch.dtype:
+    return torch.int8 if quant.dtype_qk == "int8" else torch.float8_e4m3fn
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_sage_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+    """``None`` when :func:`triton_sage_attention` can run ``plan`` on ``qkv`` here, else a sentence saying why.
+
+    Needs: Triton importable; a CUDA device of compute capability 8.9 or newer (fp8 tensor cores; only sm_90 was
+    measured), or ``TRITON_INTERPRET=1`` for CPU tensors; ``plan.quant`` set; non-causal; head_dim 128;
+    bf16/fp16 q, k, v; with skipping, ``plan.tile`` sides that are powers of two from 16 to 128.
+    """
+    if triton is None:
+        return "the Triton SAGE kernel needs Triton, which is not installed (it ships with CUDA builds of PyTorch)"
+    if plan.quant is None or not plan.quant.enabled:
+        return "the Triton SAGE kernel runs quantized (SAGE) attention only, and plan.quant is not set"
+    if plan.causal:
+        return "the Triton SAGE kernel implements non-causal attention only"
+    if qkv.head_dim != HEAD_DIM or qkv.v.shape[-1] != HEAD_DIM:
+        return f"the Triton SAGE kernel needs head_dim {HEAD_DIM}; got {qkv.head_dim}"
+    dtypes = {qkv.q.dtype, qkv.k.dtype, qkv.v.dtype}
+    if len(dtypes) != 1 or qkv.q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Triton SAGE kernel takes bf16 or fp16 q, k, v of one dtype; got {sorted(map(str, dtypes))}"
+    device = qkv.q.device
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return (f"the Triton SAGE kernel needs fp8 tensor cores (sm_89 or newer); this GPU is "
+                    f"sm_{major}{minor}")
+    elif not _interpreting():
+        return f"the Triton SAGE kernel runs on CUDA GPUs (or on the CPU under TRITON_INTERPRET=1); q is on {device}"
+    if plan.skips and not all(side in (16, 32, 64, 128) for side in plan.tile):
+        return f"the Triton SAGE kernel decides skips on tiles with sides 16, 32, 64 or 128; plan.tile is {plan.tile}"
+    return None
+
+
+def sage_quantize(qkv: VarlenQKV, quant: AttnQuantSpec) -> SageQuantized:
+    """Quantize a packed batch for SAGE attention in two Triton launches (a K-sum/V-amax reduction, then one
+    pass over Q, K and V). Layouts: :class:`SageQuantized`; semantics: :mod:`diffusers_trtllm.quant`.
+
+    ``qkv.q``: ``[Tq, Hq, 128]``, ``qkv.k``/``qkv.v``: ``[Tk, Hkv, 128]``, any float dtype, last dim contiguous.
+    """
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (qkv.q, qkv.k, qkv.v))
+    batch, heads_q, heads_kv = qkv.batch_size, q.shape[1], k.shape[1]
+    device = q.device
+    value_dtype = _qk_torch_dtype(quant)
+    cu_q, cu_kv = qkv.cu_seqlens("q"), qkv.cu_seqlens("kv")
+
+    k_sum = torch.zeros(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
+    v_amax = torch.zeros(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
+    kv_chunks = -(-qkv.max_seqlen_kv // STATS_TOKENS)
+    _kv_stats_kernel[(kv_chunks, heads_kv, batch)](
+        k, v, k_sum, v_amax, cu_kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        TOKENS=STATS_TOKENS, HEAD_DIM=HEAD_DIM)
+
+    out = SageQuantized(
+        q=torch.empty(q.shape, dtype=value_dtype, device=device),
+        q_scale=torch.empty(heads_q, scale_columns(q.shape[0], batch, quant.q_block_size), dtype=torch.float32,
+                            device=device),
+        k=torch.empty(k.shape, dtype=value_dtype, device=device),
+        k_scale=torch.empty(heads_kv, scale_columns(k.shape[0], batch, quant.k_block_size), dtype=torch.float32,
+                            device=device),
+        v_t=torch.empty(heads_kv, HEAD_DIM, v_columns(k.shape[0], batch), dtype=torch.float8_e4m3fn,
+                        device=device),
+        v_scale=torch.empty(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device),
+        q_block=quant.q_block_size, k_block=quant.k_block_size)
+    q_chunks = -(-qkv.max_seqlen_q // STATS_TOKENS)
+    _sage_quantize_kernel[(q_chunks + kv_chunks, max(heads_q, heads_kv), batch)](
+        q, k, v, k_sum, v_amax, cu_q, cu_kv,
+        out.q, out.q_scale, out.k, out.k_scale, out.v_t, out.v_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.q_scale.stride(0), out.k_scale.stride(0), out.v_t.stride(0), out.v_t.stride(1),
+        q_chunks, heads_q, heads_kv,
+        QMAX=INT8_MAX if quant.dtype_qk == "int8" else FP8_MAX, QK_INT8=quant.dtype_qk == "int8",
+        Q_BLOCK=quant.q_block_size, K_BLOCK=quant.k_block_size, TOKENS=STATS_TOKENS, HEAD_DIM=HEAD_DIM)
+    return out
+
+
+def sage_attention_quantized(qkv: VarlenQKV, quantized: SageQuantized, plan: KernelPlan,
+                             launch: AttentionLaunch | None = None) -> KernelResult:
+    """Attention over already-quantized Q, K, V (from :func:`sage_quantize` of the same ``qkv``).
+
+    ``qkv`` supplies the lengths, the output shape ``[Tq, Hq, 128]`` and dtype (q's: bf16 or fp16). ``launch``
+    overrides the tile shape and schedule; with skipping its tile must equal ``plan.tile``. Skipped tiles are
+    counted (an int32 atomic per program) only when ``plan.count_skips``.
+    """
+    if launch is None:
+        launch = AttentionLaunch(*plan.tile) if plan.skips else DENSE_LAUNCH
+    if plan.skips and (launch.block_m, launch.block_n) != tuple(plan.tile):
+        raise ValueError(f"skip decisions are made per kernel tile: launch tile {launch.block_m}x{launch.block_n} "
+                         f"must equal plan.tile {plan.tile}")
+    q = qkv.q
+    batch, heads_q, heads_kv = qkv.batch_size, q.shape[1], qkv.k.shape[1]
+    out = torch.empty_like(q)
+    count = plan.count_skips and plan.skips
+    skipped = torch.zeros((), dtype=torch.int32, device=q.device)
+    grid = (-(-qkv.max_seqlen_q // launch.block_m), heads_q, batch)
+    _sage_attention_kernel[grid](
+        quantized.q, quantized.k, quantized.v_t, quantized.q_scale, quantized.k_scale, quantized.v_scale,
+        out, skipped, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"),
+        quantized.q.stride(0), quantized.q.stride(1), quantized.k.stride(0), quantized.k.stride(1),
+        quantized.v_t.stride(0), quantized.v_t.stride(1), out.stride(0), out.stride(1),
+        quantized.q_scale.stride(0), quantized.k_scale.stride(0),
+        plan.scale * LOG2E, plan.skip_factor, heads_q // heads_kv, heads_kv,
+        QK_INT8=quantized.q.dtype == torch.int8, Q_BLOCK=quantized.q_block, K_BLOCK=quantized.k_block,
+        HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SKIP=plan.skips,
+        SKIP_WHOLE_TILE=launch.skip_whole_tile, COUNT_SKIPS=count,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if not plan.count_skips:
+        return KernelResult(out)
+    tq, tk = launch.block_m, launch.block_n
+    total = heads_q * sum(-(-nq // tq) * -(-nkv // tk) for nq, nkv in zip(qkv.seqlens_q, qkv.seqlens_kv))
+    return KernelResult(out, skipped.to(torch.int64), torch.tensor(total, dtype=torch.int64, device=q.device))
+
+
+def triton_sage_attention(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
+    """SAGE attention (with Skip-Softmax when ``plan.skip_factor > 0``) on a packed batch.
+
+    ``qkv.q``: ``[Tq, Hq, 128]``, ``qkv.k``/``qkv.v``: ``[Tk, Hkv, 128]``, bf16 or fp16, ragged (FlashInfer
+    layout, sequences delimited by ``qkv.cu_seqlens``), ``Hq % Hkv == 0`` (GQA). Returns a
+    :class:`KernelResult` with ``out`` ``[Tq, Hq, 128]`` in q's dtype and, when ``plan.count_skips``, the
+    skipped and total (head, query tile, KV tile) counts as 0-dim int64 device tensors (no host sync).
+    GPUs: sm_89 and newer with Triton (measured on sm_90 only). Raises ``ValueError`` with the reason when
+    :func:`triton_sage_unavailable_reason` is not ``None``.
+    """
+    reason = triton_sage_unavailable_reason(plan, qkv)
+    if reason is not None:
+        raise ValueError(reason)
+    return sage_attention_quantized(qkv, sage_quantize(qkv, plan.quant), plan)
+
+
+@_jit
+def _round_half_even(x):
+    """Round float32 values with |x| < 2**22 to integers, ties to even (torch.round's rule)."""
+    return (x + _ROUND_MAGIC) - _ROUND_MAGIC
+
+
+@_jit
+def _kv_stats_kernel(k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_kv_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Per (sequence, kv head): add this chunk's column sums of K into k_sum and its column max of |V| into
+    v_amax ([B, Hkv, D] float32, zero-initialised)."""
+    chunk, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_kv_ptr + seq)
+    length = tl.load(cu_kv_ptr + seq + 1) - start
+    if chunk * TOKENS >= length:
+        return
+    tokens = chunk * TOKENS + tl.arange(0, TOKENS)
+    dims = tl.arange(0, HEAD_DIM)
+    valid = (tokens < length)[:, None]
+    rows = (start + tokens).to(tl.int64)[:, None]
+    k = tl.load(k_ptr + rows * stride_kt + head * stride_kh + dims[None, :], mask=valid, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + rows * stride_vt + head * stride_vh + dims[None, :], mask=valid, other=0.0).to(tl.float32)
+    stats = (seq * tl.num_programs(1) + head) * HEAD_DIM + dims
+    tl.atomic_add(k_sum_ptr + stats, tl.sum(k, 0))
+    tl.atomic_max(v_amax_ptr + stats, tl.max(tl.abs(v), 0))
+
+
+@_jit
+def _quantize_token_blocks(x, QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr,
+                           TOKENS: tl.constexpr):
+    """x [TOKENS, D] float32 (rows past the sequence end are 0) -> (values on the int8/fp8 grid as float32,
+    scales [TOKENS // BLOCK]); the block scale is amax / QMAX, as quant.quantize_blocks."""
+    block_amax = tl.max(tl.reshape(tl.max(tl.abs(x), 1), (TOKENS // BLOCK, BLOCK)), 1)
+    scales = tl.math.div_rn(tl.maximum(block_amax, _TINY_SCALE), QMAX)
+    token_scales = tl.reshape(tl.broadcast_to(scales[:, None], (TOKENS // BLOCK, BLOCK)), (TOKENS,))
+    scaled = tl.math.div_rn(x, token_scales[:, None])
+    if IS_INT8:
+        values = tl.minimum(tl.maximum(_round_half_even(scaled), -QMAX), QMAX)
+    else:
+        values = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)  # the fp8 cast at the store rounds to nearest even
+    return values, scales
+
+
+@_jit
+def _store_token_blocks(x, values_ptr, scales_ptr, row_stride, head_offset, scale_offset, seq_start, first, length,
+                        QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+                        HEAD_DIM: tl.constexpr):
+    """Quantize one sequence's Q or K rows ``first : first + TOKENS`` and store values and block scales."""
+    values, scales = _quantize_token_blocks(x, QMAX, IS_INT8, BLOCK, TOKENS)
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = first + tl.arange(0, TOKENS)
+    rows = (seq_start + tokens).to(tl.int64)[:, None]
+    tl.store(values_ptr + rows * row_stride + head_offset + dims[None, :],
+             values.to(values_ptr.dtype.element_ty), mask=(tokens < length)[:, None])
+    blocks = first // BLOCK + tl.arange(0, TOKENS // BLOCK)
+    tl.store(scales_ptr + scale_offset + blocks, scales, mask=blocks * BLOCK < length)
+
+
+@_jit
+def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_q_ptr, cu_kv_ptr,
+                          q_out_ptr, q_scale_ptr, k_out_ptr, k_scale_ptr, v_t_ptr, v_scale_ptr,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          q_scale_stride, k_scale_stride, v_t_head_stride, v_t_dim_stride,
+                          q_chunks, heads_q, heads_kv,
+                          QMAX: tl.constexpr, QK_INT8: tl.constexpr, Q_BLOCK: tl.constexpr,
+                          K_BLOCK: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One pass over Q, K, V: programs [0, q_chunks) quantize TOKENS query rows of one head, the rest quantize
+    TOKENS key/value rows of one kv head (K smoothed by k_sum / length; V by v_amax / 448)."""
+    chunk, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dims = tl.arange(0, HEAD_DIM)
+    if chunk < q_chunks:
+        start = tl.load(cu_q_ptr + seq)
+        length = tl.load(cu_q_ptr + seq + 1) - start
+        if chunk * TOKENS >= length or head >= heads_q:
+            return
+        tokens = chunk * TOKENS + tl.arange(0, TOKENS)
+        rows = (start + tokens).to(tl.int64)[:, None]
+        q = tl.load(q_ptr + rows * stride_qt + head * stride_qh + dims[None, :], mask=(tokens < length)[:, None],
+                    other=0.0).to(tl.float32)
+        _store_token_blocks(q, q_out_ptr, q_scale_ptr, stride_qt, head * stride_qh,
+                            head * q_scale_stride + start // Q_BLOCK + seq, start, chunk * TOKENS, length,
+                            QMAX, QK_INT8, Q_BLOCK, TOKENS, HEAD_DIM)
+    else:
+        chunk -= q_chunks
+        start = tl.load(cu_kv_ptr + seq)
+        length = tl.load(cu_kv_ptr + seq + 1) - start
+        if chunk * TOKENS >= length or head >= heads_kv:
+            return
+        tokens = chunk * TOKENS + tl.arange(0, TOKENS)
+        valid = (tokens < length)[:, None]
+        rows = (start + tokens).to(tl.int64)[:, None]
+        stats = (seq * heads_kv + head) * HEAD_DIM + dims
+        k_mean = tl.math.div_rn(tl.load(k_sum_ptr + stats), length.to(tl.float32))
+        k = tl.load(k_ptr + rows * stride_kt + head * stride_kh + dims[None, :], mask=valid, other=0.0)
+        k = tl.where(valid, k.to(tl.float32) - k_mean[None, :], 0.0)
+        _store_token_blocks(k, k_out_ptr, k_scale_ptr, stride_kt, head * stride_kh,
+                            head * k_scale_stride + start // K_BLOCK + seq, start, chunk * TOKENS, length,
+                            QMAX, QK_INT8, K_BLOCK, TOKENS, HEAD_DIM)
+        v_scale = tl.math.div_rn(tl.maximum(tl.load(v_amax_ptr + stats), _TINY_SCALE), _FP8_MAX)
+        if chunk == 0:
+            tl.store(v_scale_ptr + stats, v_scale)
+        v = tl.load(v_ptr + rows * stride_vt + head * stride_vh + dims[None, :], mask=valid, other=0.0)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), v_scale[None, :]), -_FP8_MAX), _FP8_MAX)
+        # Zeros (from the masked load) fill the sequence's columns up to the next multiple of 16: the attention
+        # kernel reads V^T in 16-byte vectors masked at that multiple.
+        v_start = _V_TOKEN_ALIGN * ((start + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN + seq)
+        padded_length = (length + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN * _V_TOKEN_ALIGN
+        tl.store(v_t_ptr + head * v_t_head_stride + dims[None, :] * v_t_dim_stride + (v_start + tokens)[:, None],
+                 v.to(tl.float8e4nv), mask=(tokens < padded_length)[:, None])
+
+
+@_jit
+def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, v_base, j,
+                    kv_len, v_len, log2_lambda,
+                    QK_INT8: tl.constexpr, K_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SKIP: tl.constexpr, SKIP_WHOLE_TILE: tl.constexpr, MASKED: tl.constexpr):
+    """Fold KV tile ``j : j + BLOCK_N`` into the running max ``m_i``, row sum ``l_i`` and accumulator ``acc``.
+
+    Scores are ``t * q_scale`` with ``t = (q · k) * k_scale``: q_scale > 0 per row commutes with the row max, so
+    the per-element work is one multiply for the scores and one fused multiply-add inside exp2. P is produced
+    directly as ``448 · P`` (log2 448 folded into the subtracted max) and summed that way.
+    """
+    cols = j + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    k_ptrs = k_base + cols.to(tl.int64)[:, None] * stride_kt + dims[None, :]
+    if MASKED:
+        col_valid = cols < kv_len
+        k = tl.load(k_ptrs, mask=col_valid[:, None], other=0.0)
+        k_scale = tl.load(k_scale_base + cols // K_BLOCK, mask=col_valid, other=0.0)
+        v_t = tl.load(v_base + cols[None, :], mask=cols[None, :] < v_len, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        k_scale = tl.load(k_scale_base + cols // K_BLOCK)
+        v_t = tl.load(v_base + cols[None, :])
+    if QK_INT8:
+        t = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
+    else:
+        t = tl.dot(q, tl.trans(k)) * k_scale[None, :]
+    if MASKED:
+        t = tl.where(col_valid[None, :], t, float("-inf"))
+    tile_max = tl.max(t, 1) * q_scale
+    if SKIP:
+        # On the first tile m_i = -inf, so no valid row finds it negligible: it is never skipped. Rows past the
+        # sequence end never hold a skip back.
+        negligible = (tile_max - m_i < log2_lambda) | row_invalid
+        skip_tile = tl.min(negligible.to(tl.int32), 0) == 1
+    else:
+        skip_tile = False
+    if SKIP_WHOLE_TILE:
+        if skip_tile:
+            skipped += 1
+        else:
+            m_new = tl.maximum(m_i, tile_max)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(t * q_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # Product then fp32 add: passing acc into an fp8 dot would accumulate across tiles in the tensor
+            # core's reduced-precision fp8 accumulator on sm_90.
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(v_t))
+            m_i = m_new
+    else:
+        if skip_tile:
+            skipped += 1
+            alpha = tl.full((q_scale.shape[0],), 1.0, tl.float32)
+            p = tl.zeros(t.shape, tl.float32)
+        else:
+            m_new = tl.maximum(m_i, tile_max)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(t * q_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
+            m_i = m_new
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(v_t))
+    return m_i, l_i, acc, skipped
+
+
+@_jit
+def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, skipped_ptr,
+                           cu_q_ptr, cu_kv_ptr,
+                           stride_qt, stride_qh, stride_kt, stride_kh, v_t_head_stride, v_t_dim_stride,
+                           stride_ot, stride_oh, q_scale_stride, k_scale_stride,
+                           score_scale, skip_factor, group_size, heads_kv,
+                           QK_INT8: tl.constexpr, Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           SKIP: tl.constexpr, SKIP_WHOLE_TILE: tl.constexpr, COUNT_SKIPS: tl.constexpr):
+    """One program: BLOCK_M query rows of one head of one sequence against all of that sequence's keys.
+
+    Scores live in the log2 domain (``score_scale`` = softmax scale · log2 e), so the skip test
+    ``exp(tile_max - m) < λ`` becomes ``tile_max₂ - m₂ < log2 λ``.
+    """
+    tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    kv_start = tl.load(cu_kv_ptr + seq)
+    kv_len = tl.load(cu_kv_ptr + seq + 1) - kv_start
+    kv_head = head // group_size
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    # Rows past the sequence end get scale 0; their (possibly NaN) results stay in their own rows, never stored,
+    # and they never hold a skip back.
+    q_scale = tl.load(q_scale_ptr + head * q_scale_stride + q_start // Q_BLOCK + seq + rows // Q_BLOCK,
+                      mask=row_valid, other=0.0) * score_scale
+
+    k_base = k_ptr + kv_head * stride_kh + kv_start.to(tl.int64) * stride_kt
+    k_scale_base = k_scale_ptr + kv_head * k_scale_stride + kv_start // K_BLOCK + seq
+    v_start = tl.multiple_of(_V_TOKEN_ALIGN * ((kv_start + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN + seq), _V_TOKEN_ALIGN)
+    v_base = v_t_ptr + kv_head * v_t_head_stride + dims[:, None] * v_t_dim_stride + v_start
+    # V^T columns up to a multiple of 16 hold zeros (see the quantizer): masking there keeps 16-byte loads.
+    v_len = tl.multiple_of((kv_len + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN * _V_TOKEN_ALIGN, _V_TOKEN_ALIGN)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    log2_lambda = tl.log2(skip_factor / kv_len.to(tl.float32))
+    skipped = 0
+    row_invalid = ~row_valid
+    # Full KV tiles run unmasked; a partial last tile runs once more with masks.
+    full_end = kv_len // BLOCK_N * BLOCK_N
+    for j in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc, skipped = _attend_kv_tile(
+            q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
+            k_scale_base, v_base, j, kv_len, v_len, log2_lambda,
+            QK_INT8, K_BLOCK, HEAD_DIM, BLOCK_N, SKIP, SKIP_WHOLE_TILE, False)
+    if full_end < kv_len:
+        m_i, l_i, acc, skipped = _attend_kv_tile(
+            q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
+            k_scale_base, v_base, full_end, kv_len, v_len, log2_lambda,
+            QK_INT8, K_BLOCK, HEAD_DIM, BLOCK_N, SKIP, SKIP_WHOLE_TILE, True)
+
+    # acc and l_i both carry the factor 448 of P's fp8 encoding, which cancels here.
+    v_scale = tl.load(v_scale_ptr + (seq * heads_kv + kv_head) * HEAD_DIM + dims)
+    out = acc / l_i[:, None] * v_scale[None, :]
+    tl.store(out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    if COUNT_SKIPS:
+        tl.atomic_add(skipped_ptr, skipped)

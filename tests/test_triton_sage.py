@@ -1,0 +1,255 @@
+"""The Triton SAGE kernel against the PyTorch reference (quant.py, backends/reference.py).
+
+CPU: the kernels run under Triton's interpreter in one subprocess (``TRITON_INTERPRET=1`` must be set before
+Triton is imported, and GPU tests in this process need the compiled kernels); this module is that subprocess's
+script. GPU tests (``-m gpu``) run the compiled kernels on CUDA against float32 references.
+"""
+
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: @triton.jit then builds interpreted kernels
+
+
+import pytest
+import torch
+
+from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
+from diffusers_trtllm.backends.reference import reference_attention
+from diffusers_trtllm.config import AttnQuantSpec
+from diffusers_trtllm.kernels import triton_sage
+from diffusers_trtllm.quant import quantize_sequence
+
+QK_DTYPES = ("int8", "fp8_e4m3")
+BLOCK_PAIRS = ((1, 1), (1, 16), (4, 16), (16, 4))
+SMALL_TILE = (32, 32)  # several tiles per sequence while the interpreter stays fast
+
+
+def _positional_qkv(lens_q, lens_kv, heads_q, heads_kv, sharpness, dtype=torch.bfloat16, device="cpu"):
+    """Packed Q, K, V whose attention is local and peaky (smooth positional features plus noise), so some KV
+    tiles fall under λ and some do not; the same idea as the ``peaky`` generator of shared/probes."""
+    def features(lengths, heads):
+        pos = torch.cat([torch.arange(n, dtype=torch.float32) for n in lengths])[:, None]
+        freqs = torch.logspace(-3, -0.5, triton_sage.HEAD_DIM // 2)[None, :]
+        base = torch.cat([torch.sin(pos * freqs), torch.cos(pos * freqs)], dim=1)[:, None, :]
+        return base.expand(-1, heads, -1) + 0.3 * torch.randn(pos.shape[0], heads, triton_sage.HEAD_DIM)
+    q = features(lens_q, heads_q) * sharpness
+    k = features(lens_kv, heads_kv) * sharpness
+    v = torch.randn(sum(lens_kv), heads_kv, triton_sage.HEAD_DIM)
+    return VarlenQKV(*(x.to(dtype).to(device) for x in (q, k, v)), tuple(lens_q), tuple(lens_kv))
+
+
+def _random_qkv(lens_q, lens_kv, heads_q, heads_kv, dtype=torch.bfloat16, device="cpu", k_offset=0.5):
+    """Random packed Q, K, V; K has a per-channel offset so that smoothing matters."""
+    d = triton_sage.HEAD_DIM
+    q = torch.randn(sum(lens_q), heads_q, d)
+    k = torch.randn(sum(lens_kv), heads_kv, d) + k_offset * torch.randn(1, heads_kv, d)
+    v = torch.randn(sum(lens_kv), heads_kv, d)
+    return VarlenQKV(*(x.to(dtype).to(device) for x in (q, k, v)), tuple(lens_q), tuple(lens_kv))
+
+
+def _reference(qkv: VarlenQKV, plan: KernelPlan, compute=torch.float32):
+    """Reference output (float32) and skip counts for a packed batch, sequence by sequence."""
+    outs, skipped, total = [], 0, 0
+    for (q, k, v, _), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
+        lam = plan.skip_factor / kv_len if plan.skips else 0.0
+        o, s, t = reference_attention(q.to(compute), k.to(compute), v.to(compute), plan.scale, skip_lambda=lam,
+                                      quant=plan.quant, tile=plan.tile)
+        outs.append(o.float())
+        skipped += s
+        total += t
+    return torch.cat(outs), skipped, total
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _unpack_quantized(z: triton_sage.SageQuantized, qkv: VarlenQKV):
+    """Per sequence: (q values, q per-token scales, k values, k per-token scales, v values, v scales) in the
+    layout of quant.SageSequence, read out of the kernel's packed layouts."""
+    cu_q, cu_kv = qkv.cu_seqlens("q").tolist(), qkv.cu_seqlens("kv").tolist()
+    for i, (nq, nk) in enumerate(zip(qkv.seqlens_q, qkv.seqlens_kv)):
+        def per_token(scales, cu, n, block):
+            first = cu[i] // block + i
+            return scales[:, first:first + -(-n // block)].repeat_interleave(block, 1)[:, :n].T[..., None].float()
+        v_first = triton_sage.V_TOKEN_ALIGN * (-(-cu_kv[i] // triton_sage.V_TOKEN_ALIGN) + i)
+        yield (z.q[cu_q[i]:cu_q[i + 1]].float(), per_token(z.q_scale, cu_q, nq, z.q_block),
+               z.k[cu_kv[i]:cu_kv[i + 1]].float(), per_token(z.k_scale, cu_kv, nk, z.k_block),
+               z.v_t[:, :, v_first:v_first + nk].float().permute(2, 0, 1), z.v_scale[i].float())
+
+
+# ---------------------------------------------------------------- CPU: the kernels under Triton's interpreter
+
+def _interpreter_cases():
+    """Inputs for the interpreted run: (name, qkv, quant, plan, launch)."""
+    cases = []
+    ragged = _random_qkv((40, 90), (70, 100), heads_q=4, heads_kv=2)
+    for dtype in QK_DTYPES:
+        for q_block, k_block in BLOCK_PAIRS:
+            cases.append((f"quantize-{dtype}-{q_block}-{k_block}", ragged, AttnQuantSpec(dtype, q_block, k_block),
+                          None, None))
+        quant = AttnQuantSpec(dtype, 4, 16)
+        cases.append((f"dense-{dtype}", ragged, quant, KernelPlan("triton", 128 ** -0.5, quant=quant, tile=SMALL_TILE),
+                      triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1)))
+    peaky = _positional_qkv((128, 100), (160, 96), heads_q=2, heads_kv=1, sharpness=1.5)
+    for dtype, whole in (("int8", True), ("fp8_e4m3", False)):
+        quant = AttnQuantSpec(dtype, 1, 16)
+        plan = KernelPlan("triton", 128 ** -0.5, quant=quant, tile=SMALL_TILE, skip_factor=15.0, count_skips=True)
+        cases.append((f"skip-{dtype}-whole{whole}", peaky, quant, plan,
+                      triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1, skip_whole_tile=whole)))
+    return cases
+
+
+def _fix_triton_interpreter():
+    """Work around two bugs of Triton 3.6's CPU interpreter (compiled kernels are not affected): a loaded scalar
+    (a 1-element numpy array) cannot bound ``range`` under numpy >= 2.3; and fp32 -> bf16 / fp8 e4m3 casts
+    truncate or round half-up without carrying into the exponent (fp8: 125 -> 64, not 128)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    convert_float = interpreter._convert_float
+    torch_types = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.uint16)}
+
+    def convert(values, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype in torch_types:
+            dtype, bits = torch_types[output_dtype]
+            return torch.from_numpy(values).to(dtype).view(bits).numpy()
+        return convert_float(values, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    interpreter._convert_float = convert
+
+
+def _run_interpreted(cases_path, results_path):
+    _fix_triton_interpreter()
+    results = {}
+    for name, qkv, quant, plan, launch in torch.load(cases_path, weights_only=False):
+        quantized = triton_sage.sage_quantize(qkv, quant)
+        if plan is None:
+            results[name] = quantized
+        else:
+            results[name] = triton_sage.sage_attention_quantized(qkv, quantized, plan, launch)
+    torch.save(results, results_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    pytest.importorskip("triton")
+    folder = tmp_path_factory.mktemp("triton_sage")
+    cases = _interpreter_cases()
+    torch.save(cases, folder / "cases.pt")
+    proc = subprocess.run([sys.executable, __file__, str(folder / "cases.pt"), str(folder / "results.pt")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: (qkv, quant, plan) for name, qkv, quant, plan, _ in cases}, torch.load(folder / "results.pt",
+                                                                                          weights_only=False)
+
+
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+@pytest.mark.parametrize("q_block,k_block", BLOCK_PAIRS)
+def test_quantizer_matches_reference_bit_for_bit(interpreted, dtype, q_block, k_block):
+    cases, results = interpreted
+    qkv, quant, _ = cases[f"quantize-{dtype}-{q_block}-{k_block}"]
+    z = results[f"quantize-{dtype}-{q_block}-{k_block}"]
+    assert z.q.dtype == (torch.int8 if dtype == "int8" else torch.float8_e4m3fn)
+    for got, (q, k, v, _) in zip(_unpack_quantized(z, qkv), qkv.sequences()):
+        ref = quantize_sequence(q.float(), k.float(), v.float(), q_block, k_block, dtype)
+        for name, a, b in zip("q q_scale k k_scale v v_scale".split(), got,
+                              (ref.q, ref.q_scale, ref.k, ref.k_scale, ref.v, ref.v_scale)):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+def test_dense_attention_matches_quantized_reference(interpreted, dtype):
+    cases, results = interpreted
+    qkv, _, plan = cases[f"dense-{dtype}"]
+    ref, _, _ = _reference(qkv, plan)
+    out = results[f"dense-{dtype}"].out
+    assert out.dtype == torch.bfloat16 and out.shape == qkv.q.shape
+    assert _rel(out, ref) < 5e-3  # the bf16 rounding of the output (about 2e-3), nothing more
+
+
+@pytest.mark.parametrize("case", ["skip-int8-wholeTrue", "skip-fp8_e4m3-wholeFalse"])
+def test_skip_counts_and_output_match_reference(interpreted, case):
+    cases, results = interpreted
+    qkv, _, plan = cases[case]
+    ref, ref_skipped, ref_total = _reference(qkv, plan)
+    result = results[case]
+    assert 0 < ref_skipped < ref_total  # the case exercises skipping and not-skipping
+    assert int(result.skipped_tiles) == ref_skipped and int(result.total_tiles) == ref_total
+    assert _rel(result.out, ref) < 5e-3
+
+
+def test_unavailable_reasons():
+    qkv = _random_qkv((64,), (64,), 2, 2)
+    quant = AttnQuantSpec("int8")
+    assert "quantized" in triton_sage.triton_sage_unavailable_reason(KernelPlan("t", 0.1), qkv)
+    assert "non-causal" in triton_sage.triton_sage_unavailable_reason(KernelPlan("t", 0.1, True, quant=quant), qkv)
+    small = VarlenQKV(qkv.q[..., :64], qkv.k[..., :64], qkv.v[..., :64], (64,), (64,))
+    assert "head_dim 128" in triton_sage.triton_sage_unavailable_reason(KernelPlan("t", 0.1, quant=quant), small)
+    fp32 = VarlenQKV(qkv.q.float(), qkv.k.float(), qkv.v.float(), (64,), (64,))
+    assert "bf16 or fp16" in triton_sage.triton_sage_unavailable_reason(KernelPlan("t", 0.1, quant=quant), fp32)
+
+
+# ---------------------------------------------------------------- GPU: compiled kernels against float32 references
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+@pytest.mark.parametrize("q_block,k_block", BLOCK_PAIRS)
+def test_gpu_quantizer_matches_reference(dtype, q_block, k_block):
+    qkv = _random_qkv((1000, 3001), (777, 4100), 8, 2, device="cuda")
+    z = triton_sage.sage_quantize(qkv, AttnQuantSpec(dtype, q_block, k_block))
+    step = 1.0 if dtype == "int8" else 2 ** -3  # one grid step (fp8: relative)
+    for got, (q, k, v, _) in zip(_unpack_quantized(z, qkv), qkv.sequences()):
+        ref = quantize_sequence(q.float(), k.float(), v.float(), q_block, k_block, dtype)
+        assert torch.equal(got[0], ref.q) and torch.equal(got[1], ref.q_scale)
+        assert torch.equal(got[4], ref.v) and torch.equal(got[5], ref.v_scale)
+        # K's mean is summed with atomics (another order than torch.mean): a value may land one grid step away.
+        assert ((got[3] - ref.k_scale).abs() <= 1e-6 * ref.k_scale).all()
+        diff = (got[2] - ref.k).abs()
+        assert (diff > 0).float().mean() < 1e-3
+        assert (diff <= step * (1 if dtype == "int8" else ref.k.abs().clamp_min(2 ** -6))).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+def test_gpu_dense_attention(dtype):
+    qkv = _random_qkv((1000, 3001), (777, 4100), 8, 2, device="cuda")
+    quant = AttnQuantSpec(dtype, 1, 16)
+    plan = KernelPlan("triton", 128 ** -0.5, quant=quant)
+    out = triton_sage.triton_sage_attention(qkv, plan).out
+    ref_quant, _, _ = _reference(qkv, plan)
+    ref_exact, _, _ = _reference(qkv, KernelPlan("exact", plan.scale))
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref_quant) < 5e-3  # same semantics: bf16 output rounding and accumulation order only
+    assert _rel(out, ref_exact) < 6e-2  # what SAGE itself costs on random N(0, 1) data (fp8 V alone ~2.4e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("whole_tile", [True, False])
+def test_gpu_skip_counts_match_reference(whole_tile):
+    qkv = _positional_qkv((4096, 1500), (4096, 1500), 4, 2, sharpness=2.0, device="cuda")
+    quant = AttnQuantSpec("int8", 1, 16)
+    plan = KernelPlan("triton", 128 ** -0.5, quant=quant, skip_factor=400.0, count_skips=True)
+    z = triton_sage.sage_quantize(qkv, quant)
+    result = triton_sage.sage_attention_quantized(
+        qkv, z, plan, triton_sage.AttentionLaunch(*plan.tile, skip_whole_tile=whole_tile))
+    ref, ref_skipped, ref_total = _reference(qkv, plan)
+    assert int(result.total_tiles) == ref_total
+    assert 0.05 * ref_total < ref_skipped < 0.95 * ref_total
+    # Scores agree to float32 rounding; a decision exactly at the threshold may go either way.
+    assert abs(int(result.skipped_tiles) - ref_skipped) <= max(2, ref_total // 1000)
+    assert _rel(result.out, ref) < 5e-3
+
+
+if __name__ == "__main__":
+    _run_interpreted(sys.argv[1], sys.argv[2])
