@@ -91,6 +91,7 @@ def test_empty_sequence_refused(monkeypatch, flashinfer_ok):
 
 @pytest.mark.parametrize("seqlens_q,seqlens_kv,heads_kv", [
     ((19320,), (19920,), 8),  # Cosmos 3 generation stream: FMHAv2 measured wrong (rel. err. 0.17)
+    ((4096,), (4696,), 4),  # fewer queries than keys without GQA: measured wrong too (0.36)
     ((4096,), (512,), 4),  # cross-attention: correct but slower than cuDNN
     ((256, 384), (256, 512), 4),  # one sequence of a batch unequal
 ])

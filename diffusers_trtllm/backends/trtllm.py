@@ -16,8 +16,10 @@ Declared constraints (:func:`unavailable_reason` returns the first that fails, a
 
 - head_dim 128; q/k/v bf16 on one CUDA device; non-causal; every sequence non-empty;
 - Hopper FMHAv2 only where it was proven against cuDNN SDPA on an H200: each sequence attends to its own tokens
-  (``seqlens_q == seqlens_kv`` per sequence; grouped-query heads allowed). FMHAv2 returned wrong results (rel.
-  err. 0.17) for 19,320 queries on 19,920 keys with 32/8 heads, and ran cross-attention slower than cuDNN;
+  (``seqlens_q == seqlens_kv`` per sequence; grouped-query heads allowed). With fewer queries than keys FMHAv2
+  0.7.2 returns wrong results, grouped or not (rel. err. 0.17 for 19,320 queries on 19,920 keys at 32/8 and
+  32/32 heads, 0.36 for 4,096 on 4,696 at 8/8), and it runs cross-attention (75,600 on 512) correctly but 24%
+  slower than cuDNN (``benchmarks/attention.py``'s shape proofs);
 - Blackwell SAGE: Q block 1 with K block 1, 4 or 16 (the kernels FlashInfer 0.7.2's trtllm-gen ships); int8 Q/K
   on sm_100 only, fp8 e4m3 on sm_100 and sm_103;
 - FlashInfer >= 0.6.18 with the arguments these calls pass (read from its signatures).
@@ -134,8 +136,8 @@ def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
         nq, nkv = unequal[0]
         return (f"a sequence has {nq} queries on {nkv} keys; FMHAv2 on Hopper is used only where each sequence "
                 "attends to its own tokens (equal query and key lengths), the shapes proven against cuDNN: it "
-                "gave wrong results for fewer queries than keys with grouped-query heads and runs "
-                "cross-attention slower than cuDNN (route cross attention to TORCH_SDPA)")
+                "gives wrong results for fewer queries than keys and runs cross-attention slower than cuDNN "
+                "(route cross attention to TORCH_SDPA)")
     return flashinfer_unavailable_reason(FMHA_V2)
 
 
