@@ -13,6 +13,7 @@ What each call passes is decided in :mod:`.flashinfer_calls`; this module owns t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -141,7 +142,7 @@ def run_trtllm_gen(qkv: VarlenQKV, plan: KernelPlan) -> torch.Tensor:
     index = _index_of(qkv)
     q, k, v = (t.contiguous() for t in (qkv.q, qkv.k, qkv.v))
     sage = None
-    with _explain_missing_cubins(device):
+    with _explain_missing_cubins():
         if plan.quant is not None:
             quant = plan.quant
             q, k, v, q_scale, k_scale, v_scale, _k_mean = sage_quantize_call(
@@ -155,21 +156,15 @@ _CUBIN_FAILURE_MARKERS = ("checksums.txt", "cubin", "artifact", "flashinfer_no_d
                           "flashinfermetainfo")
 
 
-class _explain_missing_cubins:
+@contextlib.contextmanager
+def _explain_missing_cubins():
     """Re-raise a failed cubin download as :class:`CubinUnavailableError` with the offline remedies."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None or not isinstance(exc, (RuntimeError, ValueError, OSError)):
-            return False
-        if not any(marker in str(exc).lower() for marker in _CUBIN_FAILURE_MARKERS):
-            return False
-        raise CubinUnavailableError(missing_cubins_message(exc)) from exc
+    try:
+        yield
+    except (RuntimeError, ValueError, OSError) as exc:
+        if any(marker in str(exc).lower() for marker in _CUBIN_FAILURE_MARKERS):
+            raise CubinUnavailableError(missing_cubins_message(exc)) from exc
+        raise
 
 
 def missing_cubins_message(exc: BaseException) -> str:
