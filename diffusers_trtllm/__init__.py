@@ -10,13 +10,15 @@ from .cli import add_attention_args, config_from_args
 from .config import AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
 from .errors import AttentionConfigError, BackendUnavailableError
 from .install import TrtllmAttentionHandle, enable_trtllm_attention
-from .processors import TrtllmAttnProcessor, WanTrtllmAttnProcessor
+from .processors import (Cosmos3TrtllmAttnProcessor, HunyuanVideo15TrtllmAttnProcessor, TrtllmAttnProcessor,
+                         WanTrtllmAttnProcessor)
 from .session import AttentionSession
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionConfig", "AttentionConfigError", "AttentionSession", "AttentionSpec", "AttnQuantSpec",
-    "BackendUnavailableError", "SkipCalibration", "SkipSoftmaxSpec", "TrtllmAttentionHandle", "TrtllmAttnProcessor",
-    "WanTrtllmAttnProcessor", "add_attention_args", "config_from_args", "enable_trtllm_attention",
+    "BackendUnavailableError", "Cosmos3TrtllmAttnProcessor", "HunyuanVideo15TrtllmAttnProcessor", "SkipCalibration",
+    "SkipSoftmaxSpec", "TrtllmAttentionHandle", "TrtllmAttnProcessor", "WanTrtllmAttnProcessor", "add_attention_args",
+    "config_from_args", "enable_trtllm_attention",
 ]

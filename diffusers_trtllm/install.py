@@ -110,7 +110,7 @@ def _install(handle: TrtllmAttentionHandle, component: str, transformer) -> list
     processors, sites = {}, []
     for key, original in originals.items():
         layer = key.removesuffix(".processor")
-        if type(modules[layer]).__name__ in cls.ATTENTION_CLASSES:
+        if cls.serves(modules[layer]):
             processors[key] = cls(session=session, component=component, layer=layer)
             sites += [(component, layer, role, category) for role, category in cls.ROLES.items()]
         else:

@@ -38,17 +38,17 @@ class CallRecord:
 
 @dataclass
 class AttentionStats:
-    """Records keyed by ``(step, "component.layer")``. Device counters are summed lazily, so recording never
-    waits for the GPU."""
+    """Records keyed by ``(step, "component.layer", backend, mode)``: a layer whose attention calls run
+    differently (Cosmos 3's dense causal stream beside its skipping generation stream) keeps one record per way.
+    Device counters are summed lazily, so recording never waits for the GPU."""
 
     records: dict = field(default_factory=dict)
 
     def record(self, step: int, layer: str, backend: str, mode: str, skipped, total) -> None:
-        key = (step, layer)
-        rec = self.records.get(key)
-        if rec is None or rec.backend != backend or rec.mode != mode:
-            rec = self.records[key] = CallRecord(backend, mode)
-        rec.add(skipped, total)
+        key = (step, layer, backend, mode)
+        if key not in self.records:
+            self.records[key] = CallRecord(backend, mode)
+        self.records[key].add(skipped, total)
 
     def clear(self) -> None:
         self.records.clear()
@@ -77,7 +77,7 @@ class AttentionStats:
     def modes(self) -> dict[int, dict[str, int]]:
         """Per step, how many layers ran each ``backend:mode``."""
         out: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        for (step, _), rec in self.records.items():
+        for (step, *_), rec in self.records.items():
             out[step][f"{rec.backend}:{rec.mode}"] += 1
         return {s: dict(m) for s, m in sorted(out.items())}
 

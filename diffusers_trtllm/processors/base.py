@@ -51,6 +51,13 @@ class TrtllmAttnProcessor:
         self.layer = layer
         self.last_plan: AttentionPlan | None = None
 
+    @classmethod
+    def serves(cls, module: torch.nn.Module) -> bool:
+        """Whether this processor takes over ``module``'s attention; ``enable_trtllm_attention`` leaves the
+        processors of other modules as they are. Subclasses narrow it when one attention class serves several
+        purposes (HunyuanVideo 1.5's text refiner and its joint blocks both use diffusers' ``Attention``)."""
+        return type(module).__name__ in cls.ATTENTION_CLASSES
+
     def call_site(self, attn: torch.nn.Module, role: str) -> CallSite:
         if self.layer is not None:
             component, layer = self.component, self.layer
