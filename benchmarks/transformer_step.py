@@ -1,0 +1,277 @@
+"""One denoising call of a full-size video transformer with random bf16 weights, per attention configuration.
+
+Models: the Wan 2.2 A14B expert (14.3 B parameters; 720p, 81 frames: 75,600 tokens) and, where this package has
+its processor, HunyuanVideo 1.5 720p t2v (8.3 B; 720p, 81 frames: 75,600 video + 1,985 context tokens). Their
+configurations come from ``diffusers_trtllm.evaluation.MODELS``. Each configuration is warmed up with the
+model's first block only (every kernel and shape of the step, at a fraction of its cost), then timed over whole
+calls with CUDA events. Reported per model: step time, ratio to TORCH_SDPA (what torch picks, cuDNN on an H200)
+and to cuDNN SDPA forced, and attention's share of the step (1 - no-attention time / reference time). Every
+configuration runs in its own try/except: a failure is a row with the error, not a lost run.
+
+Random weights give near-Gaussian attention scores, far less peaked than a trained model's: the tiles skipped at
+a given λ differ from a real run's (FlashInfer's kernels do not count them), so skip rows measure the kernel at
+this data, not a model's speed-up.
+
+    PYTHONPATH=. python benchmarks/transformer_step.py            # on the GPU; JSON to $OUT (or --output)
+    PYTHONPATH=. python benchmarks/transformer_step.py --tiny     # CPU, tiny configurations, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from diffusers_trtllm import enable_trtllm_attention
+from diffusers_trtllm.config import TORCH_REFERENCE, TORCH_SDPA, TRTLLM_ATTN, AttnQuantSpec
+from diffusers_trtllm.evaluation import (MODELS, ModelEntry, SpeedRun, TransformerTimer, VideoShape,
+                                         attention_config, find_model, format_number, markdown_table, no_attention,
+                                         synchronize)
+from diffusers_trtllm.processors import PROCESSORS
+
+SDPA_LABEL = "TORCH_SDPA"
+CUDNN_LABEL = "TORCH_SDPA cuDNN"
+NO_ATTENTION_LABEL = "attention removed"
+DEFAULT_LAMBDAS = (0.066, 0.5)  # factor 5,000 at 75,600 keys (DESIGN.md's Hopper probe), and a large one
+GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none", "diffusers")
+DEFAULT_GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none")
+
+
+@dataclass
+class BenchConfig:
+    """A row: an attention config installed with ``enable_trtllm_attention`` (None: diffusers' own processors)
+    and a context around the timed calls (forced SDPA kernel, attention removed)."""
+
+    label: str
+    config: object | None
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    unavailable: str | None = None
+
+
+@dataclass
+class Row:
+    model: str
+    label: str
+    ms: float | None = None
+    calls_ms: list = field(default_factory=list)
+    peak_gb: float | None = None
+    vs_sdpa: float | None = None
+    vs_cudnn: float | None = None
+    error: str = ""
+
+
+def bench_configs(entry: ModelEntry, groups, lambdas, feature_backend: str, on_cuda: bool) -> list[BenchConfig]:
+    """The configurations to time, in order (TORCH_SDPA first: the others' ratios refer to it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def trt(**kw):
+        return attention_config(feature_backend, sdpa_roles=entry.sdpa_roles, **kw)
+
+    sdpa = attention_config(TORCH_SDPA)
+    configs = []
+    if "sdpa" in groups:
+        configs.append(BenchConfig(SDPA_LABEL, sdpa))
+    if "cudnn" in groups:
+        configs.append(BenchConfig(CUDNN_LABEL, sdpa, lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION),
+                                   None if on_cuda else "cuDNN SDPA needs a CUDA GPU"))
+    if "diffusers" in groups:
+        configs.append(BenchConfig("diffusers default processors", None))
+    if "dense" in groups:
+        configs.append(BenchConfig(f"{feature_backend} dense", trt()))
+    if "skip" in groups:
+        configs += [BenchConfig(f"{feature_backend} skip λ={lam:g}", trt(skip={"threshold": lam})) for lam in lambdas]
+    if "sage" in groups:
+        configs += [BenchConfig(f"{feature_backend} SAGE {dtype}", trt(quant=AttnQuantSpec(dtype_qk=dtype)))
+                    for dtype in ("int8", "fp8_e4m3")]
+    if "sage_skip" in groups:
+        configs.append(BenchConfig(f"{feature_backend} SAGE fp8_e4m3 + skip λ={lambdas[-1]:g}",
+                                   trt(skip={"threshold": lambdas[-1]}, quant=AttnQuantSpec(dtype_qk="fp8_e4m3"))))
+    if "none" in groups:
+        configs.append(BenchConfig(NO_ATTENTION_LABEL, sdpa, no_attention))
+    return configs
+
+
+def build_transformer(entry: ModelEntry, run: SpeedRun, device: torch.device, dtype: torch.dtype):
+    """The transformer at ``run``'s configuration with random weights, built directly on ``device``."""
+    import diffusers
+
+    cls = getattr(diffusers, entry.transformer_class)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = cls(**run.transformer_config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+@contextlib.contextmanager
+def first_block_only(model: torch.nn.Module, blocks_attr: str):
+    """The model with its first transformer block only: runs every kernel and shape of a step, at a fraction of
+    its cost (a warm-up for JIT builds, cuDNN plans and Triton compilation)."""
+    blocks = getattr(model, blocks_attr)
+    setattr(model, blocks_attr, blocks[:1])
+    try:
+        yield
+    finally:
+        setattr(model, blocks_attr, blocks)
+
+
+def time_config(model, run: SpeedRun, inputs: dict, bench: BenchConfig, repeats: int, device) -> Row:
+    pipe = SimpleNamespace(transformer=model, scheduler=SimpleNamespace(config=SimpleNamespace(
+        num_train_timesteps=1000)))
+    installed = (enable_trtllm_attention(pipe, bench.config) if bench.config is not None
+                 else contextlib.nullcontext())
+    row = Row("", bench.label)
+    with installed, bench.context(), torch.no_grad():
+        with first_block_only(model, run.blocks_attr):
+            model(**inputs)
+        synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with TransformerTimer({"transformer": model}) as timer:
+            for _ in range(repeats):
+                model(**inputs)
+        row.calls_ms = [s * 1e3 for s in timer.seconds()]
+    row.ms = statistics.median(row.calls_ms)
+    if device.type == "cuda":
+        row.peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
+    return row
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_model(entry: ModelEntry, run: SpeedRun, configs, args, device, dtype, deadline: float) -> dict:
+    result = {"model": entry.name, "model_id": entry.model_id, "config": dict(run.transformer_config),
+              "shape": vars(run.shape), "video_tokens": run.video_tokens, "context_tokens": run.context_tokens,
+              "rows": []}
+    if not any(entry.transformer_class in p.TRANSFORMER_CLASSES for p in PROCESSORS):
+        result["skipped"] = f"diffusers_trtllm has no processor for {entry.transformer_class} (yet)"
+        return result
+    start = time.perf_counter()
+    model = build_transformer(entry, run, device, dtype)
+    result["params"] = sum(p.numel() for p in model.parameters())
+    result["build_s"] = time.perf_counter() - start
+    inputs = run.inputs(run, device, dtype)
+    rows = result["rows"]
+    try:
+        for bench in configs:
+            if bench.unavailable or time.perf_counter() > deadline:
+                rows.append(Row(entry.name, bench.label, error=f"not run: {bench.unavailable or 'time budget spent'}"))
+                continue
+            print(f"[{entry.name}] {bench.label} ...", file=sys.stderr, flush=True)
+            try:
+                row = time_config(model, run, inputs, bench, args.repeats, device)
+                row.model = entry.name
+            except Exception as e:  # noqa: BLE001  (record and go on: one failure must not lose the run)
+                message = str(e).splitlines()[0] if str(e) else ""
+                row = Row(entry.name, bench.label, error=f"{type(e).__name__}: {message}"[:300])
+                free(device)
+            rows.append(row)
+    finally:
+        del model, inputs
+        free(device)
+    by_label = {r.label: r.ms for r in rows if r.ms is not None}
+    for row in rows:
+        if row.ms is not None:
+            row.vs_sdpa = by_label[SDPA_LABEL] / row.ms if SDPA_LABEL in by_label else None
+            row.vs_cudnn = by_label[CUDNN_LABEL] / row.ms if CUDNN_LABEL in by_label else None
+    if NO_ATTENTION_LABEL in by_label:
+        for label, key in ((SDPA_LABEL, "attention_share_sdpa"), (CUDNN_LABEL, "attention_share_cudnn")):
+            if label in by_label:
+                result[key] = 1 - by_label[NO_ATTENTION_LABEL] / by_label[label]
+    result["rows"] = [vars(r) for r in rows]
+    return result
+
+
+def report(results: list[dict]) -> str:
+    lines = []
+    for res in results:
+        title = f"### {res['model']}: {res['shape']['height']}×{res['shape']['width']}, {res['shape']['frames']} " \
+                f"frames ({res['video_tokens']:,} video tokens + {sum(res['context_tokens']):,} context)"
+        if "skipped" in res:
+            lines += [title, "", f"skipped: {res['skipped']}", ""]
+            continue
+        table = markdown_table(
+            ("configuration", "step (ms)", "× vs TORCH_SDPA", "× vs cuDNN", "peak GB", "notes"),
+            [(r["label"], format_number(r["ms"], 1), format_number(r["vs_sdpa"], 3, "×"),
+              format_number(r["vs_cudnn"], 3, "×"), format_number(r["peak_gb"], 1), r["error"])
+             for r in res["rows"]], "lrrrrl")
+        share = ", ".join(f"{format_number(res[k], 3)} of the {name} step" for k, name in
+                          (("attention_share_sdpa", "TORCH_SDPA"), ("attention_share_cudnn", "cuDNN")) if k in res)
+        lines += [title, "", f"{res['params'] / 1e9:.3g} B parameters, built in {res['build_s']:.1f} s", "",
+                  table, "", f"attention share: {share or 'n/a'}", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny configurations on the CPU (a smoke test)")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help="model ids or aliases (default: every model with a speed configuration)")
+    parser.add_argument("--configs", nargs="+", choices=GROUPS, default=list(DEFAULT_GROUPS))
+    parser.add_argument("--lambdas", type=float, nargs="+", default=list(DEFAULT_LAMBDAS),
+                        help="Skip-Softmax λ values; the last one also runs with SAGE")
+    parser.add_argument("--frames", type=int, default=None, help="override every model's frame count (4k + 1)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls per configuration (median)")
+    parser.add_argument("--time-budget", type=float, default=420.0,
+                        help="seconds after which remaining configurations are recorded as not run")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="JSON file (default: $OUT/transformer_step.json, or ./transformer_step.json)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    feature_backend = TORCH_REFERENCE if args.tiny else TRTLLM_ATTN
+    entries = ([find_model(name) for name in args.models] if args.models
+               else [e for e in MODELS.values() if e.speed is not None])
+    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+            else "cpu", "tiny": args.tiny, "lambdas": args.lambdas, "repeats": args.repeats}
+    if device.type == "cuda" and any(g in args.configs for g in ("dense", "skip", "sage", "sage_skip")):
+        meta["trtllm_warmup_s"] = trtllm_warmup(device)
+    results = []
+    for entry in entries:
+        run = entry.tiny_speed if args.tiny else entry.speed
+        if args.frames:
+            run = dataclasses.replace(run, shape=VideoShape(run.shape.height, run.shape.width, args.frames))
+        configs = bench_configs(entry, args.configs, args.lambdas, feature_backend, device.type == "cuda")
+        results.append(bench_model(entry, run, configs, args, device, dtype, start + args.time_budget))
+    meta["total_s"] = time.perf_counter() - start
+    text = report(results)
+    print(text)
+    output = args.output or Path(os.environ.get("OUT", ".")) / "transformer_step.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    print(f"wrote {output} ({meta['total_s']:.0f} s)")
+    return {"meta": meta, "results": results, "markdown": text, "output": output}
+
+
+def trtllm_warmup(device: torch.device) -> dict | str:
+    """Build FlashInfer's kernels once before timing (FMHAv2's JIT build takes ~90 s the first time)."""
+    try:
+        from diffusers_trtllm.kernels.flashinfer_fmha import warmup
+
+        return warmup(device)
+    except Exception as e:  # noqa: BLE001  (the TRTLLM rows will then carry the error themselves)
+        return f"{type(e).__name__}: {e}"
+
+
+if __name__ == "__main__":
+    main()
