@@ -96,7 +96,7 @@ class SageQuantized(NamedTuple):
       multiple of 16, hold zeros.
     - ``v_scale``: ``[B, Hkv, D]`` float32, one scale per sequence, head and channel.
 
-    ``value ≈ quantized value × scale`` for every tensor, exactly as :func:`diffusers_trtllm.quant.quantize_sequence`.
+    ``value ≈ quantized value × scale`` for every tensor, as :func:`diffusers_trtllm.quant.quantize_sequence`.
     """
 
     q: torch.Tensor
@@ -225,8 +225,9 @@ def sage_attention_quantized(qkv: VarlenQKV, quantized: SageQuantized, plan: Ker
         quantized.q.stride(0), quantized.q.stride(1), quantized.k.stride(0), quantized.k.stride(1),
         quantized.v_t.stride(0), quantized.v_t.stride(1), out.stride(0), out.stride(1),
         quantized.q_scale.stride(0), quantized.k_scale.stride(0),
+        quantized.q_block.bit_length() - 1, quantized.k_block.bit_length() - 1,
         plan.scale * LOG2E, plan.skip_factor, heads_q // heads_kv, heads_kv,
-        QK_INT8=quantized.q.dtype == torch.int8, Q_BLOCK=quantized.q_block, K_BLOCK=quantized.k_block,
+        QK_INT8=quantized.q.dtype == torch.int8,
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SKIP=plan.skips,
         SKIP_WHOLE_TILE=launch.skip_whole_tile, COUNT_SKIPS=count,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
@@ -365,9 +366,9 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_q_ptr, 
 
 
 @_jit
-def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, v_base, j,
-                    kv_len, v_len, log2_lambda,
-                    QK_INT8: tl.constexpr, K_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
+                    v_base, j, kv_len, v_len, log2_lambda,
+                    QK_INT8: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                     SKIP: tl.constexpr, SKIP_WHOLE_TILE: tl.constexpr, MASKED: tl.constexpr):
     """Fold KV tile ``j : j + BLOCK_N`` into the running max ``m_i``, row sum ``l_i`` and accumulator ``acc``.
 
@@ -381,11 +382,11 @@ def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, str
     if MASKED:
         col_valid = cols < kv_len
         k = tl.load(k_ptrs, mask=col_valid[:, None], other=0.0)
-        k_scale = tl.load(k_scale_base + cols // K_BLOCK, mask=col_valid, other=0.0)
+        k_scale = tl.load(k_scale_base + (cols >> k_block_shift), mask=col_valid, other=0.0)
         v_t = tl.load(v_base + cols[None, :], mask=cols[None, :] < v_len, other=0.0)
     else:
         k = tl.load(k_ptrs)
-        k_scale = tl.load(k_scale_base + cols // K_BLOCK)
+        k_scale = tl.load(k_scale_base + (cols >> k_block_shift))
         v_t = tl.load(v_base + cols[None, :])
     if QK_INT8:
         t = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
@@ -433,8 +434,8 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
                            cu_q_ptr, cu_kv_ptr,
                            stride_qt, stride_qh, stride_kt, stride_kh, v_t_head_stride, v_t_dim_stride,
                            stride_ot, stride_oh, q_scale_stride, k_scale_stride,
-                           score_scale, skip_factor, group_size, heads_kv,
-                           QK_INT8: tl.constexpr, Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+                           q_block_shift, k_block_shift, score_scale, skip_factor, group_size, heads_kv,
+                           QK_INT8: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            SKIP: tl.constexpr, SKIP_WHOLE_TILE: tl.constexpr, COUNT_SKIPS: tl.constexpr):
     """One program: BLOCK_M query rows of one head of one sequence against all of that sequence's keys.
@@ -458,11 +459,11 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
                 mask=row_valid[:, None], other=0.0)
     # Rows past the sequence end get scale 0; their (possibly NaN) results stay in their own rows, never stored,
     # and they never hold a skip back.
-    q_scale = tl.load(q_scale_ptr + head * q_scale_stride + q_start // Q_BLOCK + seq + rows // Q_BLOCK,
-                      mask=row_valid, other=0.0) * score_scale
+    q_scale_base = q_scale_ptr + head * q_scale_stride + (q_start >> q_block_shift) + seq
+    q_scale = tl.load(q_scale_base + (rows >> q_block_shift), mask=row_valid, other=0.0) * score_scale
 
     k_base = k_ptr + kv_head * stride_kh + kv_start.to(tl.int64) * stride_kt
-    k_scale_base = k_scale_ptr + kv_head * k_scale_stride + kv_start // K_BLOCK + seq
+    k_scale_base = k_scale_ptr + kv_head * k_scale_stride + (kv_start >> k_block_shift) + seq
     v_start = tl.multiple_of(_V_TOKEN_ALIGN * ((kv_start + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN + seq), _V_TOKEN_ALIGN)
     v_base = v_t_ptr + kv_head * v_t_head_stride + dims[:, None] * v_t_dim_stride + v_start
     # V^T columns up to a multiple of 16 hold zeros (see the quantizer): masking there keeps 16-byte loads.
@@ -479,13 +480,13 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
     for j in range(0, full_end, BLOCK_N):
         m_i, l_i, acc, skipped = _attend_kv_tile(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
-            k_scale_base, v_base, j, kv_len, v_len, log2_lambda,
-            QK_INT8, K_BLOCK, HEAD_DIM, BLOCK_N, SKIP, SKIP_WHOLE_TILE, False)
+            k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
+            QK_INT8, HEAD_DIM, BLOCK_N, SKIP, SKIP_WHOLE_TILE, False)
     if full_end < kv_len:
         m_i, l_i, acc, skipped = _attend_kv_tile(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
-            k_scale_base, v_base, full_end, kv_len, v_len, log2_lambda,
-            QK_INT8, K_BLOCK, HEAD_DIM, BLOCK_N, SKIP, SKIP_WHOLE_TILE, True)
+            k_scale_base, k_block_shift, v_base, full_end, kv_len, v_len, log2_lambda,
+            QK_INT8, HEAD_DIM, BLOCK_N, SKIP, SKIP_WHOLE_TILE, True)
 
     # acc and l_i both carry the factor 448 of P's fp8 encoding, which cancels here.
     v_scale = tl.load(v_scale_ptr + (seq * heads_kv + kv_head) * HEAD_DIM + dims)
