@@ -1,0 +1,129 @@
+"""Cosmos 3: the processor reproduces diffusers' default, keeps the causal stream dense, gates, skips, installs."""
+
+import copy
+import inspect
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
+from helpers import max_rel_err
+
+import diffusers_trtllm.processors.base as processor_base
+from diffusers_trtllm import Cosmos3TrtllmAttnProcessor, enable_trtllm_attention
+from diffusers_trtllm.processors.cosmos3 import read_noisy_timesteps
+from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_pipeline, tiny_cosmos3_transformer
+
+DENSE_SDPA = {"default": {"backend": "TORCH_SDPA"}}
+DENSE_REFERENCE = {"default": {"backend": "TORCH_REFERENCE"}}
+PROMPT = "a red fox runs through fresh snow"
+
+
+def stream_inputs(attn, und_len=37, gen_len=150):
+    """Hidden states of both streams and their rotary tables (positions continue from text into generation)."""
+    positions = torch.arange(und_len + gen_len, dtype=torch.float32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, attn.head_dim, 2, dtype=torch.float32) / attn.head_dim))
+    angles = torch.outer(positions, inv_freq).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    rotary = (cos[:und_len], sin[:und_len], cos[und_len:], sin[und_len:])
+    return torch.randn(und_len, attn.hidden_size), torch.randn(gen_len, attn.hidden_size), rotary
+
+
+def generate(pipe, steps, height=128, width=192):
+    """Latents after ``steps`` steps; at 128 × 192 × 5 frames the generation stream has 192 tokens."""
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(PROMPT, height=height, width=width, num_frames=5, num_inference_steps=steps, output_type="latent",
+                generator=torch.Generator().manual_seed(0)).video
+
+
+def test_signature_matches_default():
+    default = inspect.signature(Cosmos3AttnProcessor.__call__).parameters
+    assert list(inspect.signature(Cosmos3TrtllmAttnProcessor.__call__).parameters) == list(default)
+
+
+@pytest.mark.parametrize("variant", [{}, {"qk_norm_for_text": False, "use_und_k_norm_for_gen": True}],
+                         ids=["qk-norm", "und-k-norm-for-gen"])
+@pytest.mark.parametrize("config", [DENSE_SDPA, DENSE_REFERENCE], ids=["sdpa", "reference"])
+def test_attention_layer_matches_default(config, variant):
+    attn = tiny_cosmos3_transformer(**variant).layers[0].self_attn
+    und, gen, rotary = stream_inputs(attn)
+    with torch.no_grad():
+        ref_und, ref_gen = Cosmos3AttnProcessor()(attn, und, gen, rotary)
+        out_und, out_gen = Cosmos3TrtllmAttnProcessor(config)(attn, und, gen, rotary)
+    assert max_rel_err(out_und, ref_und) <= 1e-5
+    assert max_rel_err(out_gen, ref_gen) <= 1e-5
+
+
+def test_pipeline_matches_default_processors_and_restores():
+    pipe = tiny_cosmos3_pipeline()
+    small = dict(steps=2, height=64, width=96)
+    reference = generate(pipe, **small)
+    originals = pipe.transformer.attn_processors
+    with enable_trtllm_attention(pipe, DENSE_REFERENCE) as handle:
+        assert all(isinstance(p, Cosmos3TrtllmAttnProcessor) for p in pipe.transformer.attn_processors.values())
+        assert max_rel_err(generate(pipe, **small), reference) <= 1e-5
+    assert handle.stats.modes() == {step: {"TORCH_REFERENCE:dense": 2} for step in range(2)}
+    assert all(pipe.transformer.attn_processors[key] is proc for key, proc in originals.items())
+
+    pipe.transformer.set_attn_processor(Cosmos3TrtllmAttnProcessor(DENSE_SDPA))
+    assert max_rel_err(generate(pipe, **small), reference) <= 1e-5
+    pipe.transformer.set_attn_processor(originals)
+    assert torch.equal(generate(pipe, **small), reference)
+
+
+@pytest.mark.parametrize("spec", [{"skip_softmax": {"threshold": 0.2}}, {"quant": {"dtype_qk": "int8"}},
+                                  {"quant": {"dtype_qk": "fp8_e4m3"}, "skip_softmax": {"threshold": 0.2}}],
+                         ids=["skip", "sage-int8", "sage-fp8+skip"])
+def test_skip_and_sage_apply_to_generation_stream_only(spec, monkeypatch):
+    """The causal text stream stays dense and unquantized whatever the config says, and its plan says why."""
+    plans = {}
+
+    def recording_plan(session, site, *args, **kwargs):
+        plans[site.role] = processor_base.plan_attention.__wrapped__(session, site, *args, **kwargs)
+        return plans[site.role]
+
+    recording_plan.__wrapped__ = processor_base.plan_attention
+    monkeypatch.setattr(processor_base, "plan_attention", recording_plan)
+    pipe = tiny_cosmos3_pipeline()
+    reference = generate(pipe, steps=1)
+    with enable_trtllm_attention(pipe, {"default": {"backend": "TORCH_REFERENCE", **spec}}) as handle:
+        out = generate(pipe, steps=1)
+    gen_mode = plans["gen_full"].mode
+    assert gen_mode == "+".join(part for part in (
+        spec.get("quant") and f"sage-{spec['quant']['dtype_qk']}", "skip_softmax" in spec and "skip") if part)
+    assert handle.stats.modes() == {0: {"TORCH_REFERENCE:dense": 2, f"TORCH_REFERENCE:{gen_mode}": 2}}
+    causal = plans["und_causal"]
+    assert causal.mode == "dense" and causal.kernel.causal
+    if "skip_softmax" in spec:
+        assert "dense: und_causal attention does not take Skip-Softmax" in causal.notes
+        assert handle.stats.summary()["sparsity"] > 0.1
+    if "quant" in spec:
+        assert "unquantized: und_causal attention does not take SAGE" in causal.notes
+    assert max_rel_err(out, reference) < 0.1
+
+
+def test_gate_switches_at_predicted_step():
+    """UniPC with flow shift 3 over 4 steps (t = 0.999, 0.9, 0.75, 0.5) and D = 0.8: the generation stream skips
+    from the first step with t <= D on; the causal stream is dense throughout (``modes`` counts layers per mode)."""
+    pipe = tiny_cosmos3_pipeline()
+    steps, gate = 4, 0.8
+    scheduler = copy.deepcopy(pipe.scheduler)
+    scheduler.set_timesteps(steps)
+    expected = {i: "skip" if t / scheduler.config.num_train_timesteps <= gate else "dense"
+                for i, t in enumerate(scheduler.timesteps.tolist())}
+    assert "dense" in expected.values() and "skip" in expected.values()
+    config = {"default": {"backend": "TORCH_REFERENCE",
+                          "skip_softmax": {"threshold": 0.2, "disabled_until_timestep": gate}}}
+    with enable_trtllm_attention(pipe, config) as handle:
+        generate(pipe, steps=steps)
+    layers = len(pipe.transformer.layers)
+    assert handle.stats.modes() == {
+        i: {"TORCH_REFERENCE:dense": layers} if mode == "dense" else
+        {"TORCH_REFERENCE:dense": layers, "TORCH_REFERENCE:skip": layers} for i, mode in expected.items()}
+    assert all((handle.stats.per_step()[i] > 0) == (mode == "skip") for i, mode in expected.items())
+
+
+def test_timestep_reader_takes_every_noisy_modality():
+    bound = {"vision_timesteps": torch.full((6,), 750.0), "sound_timesteps": torch.empty(0),
+             "action_timesteps": torch.full((2,), 900.0)}
+    assert read_noisy_timesteps(bound).max() == 900.0
+    assert read_noisy_timesteps({"vision_timesteps": torch.empty(0)}) is None
