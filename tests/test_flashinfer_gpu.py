@@ -63,9 +63,18 @@ def peaky(tokens, heads, sharpness=3.0):
     ((2048, 3000), 32, 8),  # grouped-query heads
 ])
 def test_dense_matches_cudnn(seqlens, heads_q, heads_kv):
-    total = sum(seqlens)
-    qkv = VarlenQKV(randn(total, heads_q, 128), randn(total, heads_kv, 128), randn(total, heads_kv, 128),
-                    seqlens, seqlens)
+    check_against_cudnn(seqlens, seqlens, heads_q, heads_kv)
+
+
+@pytest.mark.parametrize("seqlens_q,seqlens_kv", [((8192,), (512,)), ((4096, 4096), (257, 257))])
+def test_cross_attention_on_a_short_context_matches_cudnn(seqlens_q, seqlens_kv):
+    check_against_cudnn(seqlens_q, seqlens_kv, 8, 8)
+
+
+def check_against_cudnn(seqlens, seqlens_kv, heads_q, heads_kv):
+    total, total_kv = sum(seqlens), sum(seqlens_kv)
+    qkv = VarlenQKV(randn(total, heads_q, 128), randn(total_kv, heads_kv, 128), randn(total_kv, heads_kv, 128),
+                    seqlens, seqlens_kv)
     plan = KernelPlan(TRTLLM_ATTN, SCALE)
     assert trtllm.unavailable_reason(plan, qkv) is None
     out = trtllm.run(qkv, plan).out
@@ -96,13 +105,15 @@ def test_skip_decisions_follow_the_reference_tiles(trtllm_gpu):
     assert kernel_vs_ref < 5e-3 and kernel_vs_ref < kernel_vs_dense, (kernel_vs_ref, kernel_vs_dense)
 
 
-def test_auto_picks_trtllm_for_self_attention_only(trtllm_gpu):
+def test_auto_leaves_fewer_queries_than_keys_to_sdpa_on_hopper(trtllm_gpu):
     plan = KernelPlan(AUTO, SCALE)
     self_attn = VarlenQKV(randn(1024, 8, 128), randn(1024, 8, 128), randn(1024, 8, 128), (1024,), (1024,))
     assert select_backend(AUTO, plan, self_attn)[0] == TRTLLM_ATTN
     cross = VarlenQKV(randn(1024, 8, 128), randn(512, 8, 128), randn(512, 8, 128), (1024,), (512,))
-    expected_cross = TRTLLM_ATTN if trtllm_gpu in trtllm.TRTLLM_GEN_ARCHS else "TORCH_SDPA"
-    assert select_backend(AUTO, plan, cross)[0] == expected_cross
+    assert select_backend(AUTO, plan, cross)[0] == TRTLLM_ATTN
+    long_context = VarlenQKV(randn(512, 8, 128), randn(1024, 8, 128), randn(1024, 8, 128), (512,), (1024,))
+    expected = TRTLLM_ATTN if trtllm_gpu in trtllm.TRTLLM_GEN_ARCHS else "TORCH_SDPA"
+    assert select_backend(AUTO, plan, long_context)[0] == expected
 
 
 def test_warmup_is_quick_once_built():
