@@ -114,8 +114,9 @@ def cosmos3_case(tiny: bool, device: torch.device, dtype: torch.dtype) -> Case:
         gen = torch.randn(gen_len, hidden, dtype=dtype)
     rotary = (cos[:und_len], sin[:und_len], cos[und_len:], sin[und_len:])
     return Case("Cosmos 3", f"{und_len:,} causal text + {gen_len:,} generation queries on {und_len + gen_len:,} "
-                f"keys, {heads}/{kv_heads} heads × {head_dim}", attn, dict(und_seq=und, gen_seq=gen, rotary_emb=rotary), Cosmos3AttnProcessor(),
-                Cosmos3TrtllmAttnProcessor, list, causal_role="und_causal")
+                f"keys, {heads}/{kv_heads} heads × {head_dim}", attn,
+                dict(und_seq=und, gen_seq=gen, rotary_emb=rotary), Cosmos3AttnProcessor(), Cosmos3TrtllmAttnProcessor,
+                list, causal_role="und_causal")
 
 
 def configs(case: Case) -> dict[str, dict]:
