@@ -176,7 +176,9 @@ MODELS: dict[str, ModelEntry] = {entry.model_id: entry for entry in (
         name="Cosmos 3 Super", model_id="nvidia/Cosmos3-Super", aliases=("cosmos", "cosmos3"),
         pipeline_class="Cosmos3OmniPipeline", transformer_class="Cosmos3OmniTransformer",
         shape=VideoShape(720, 1280, None, 35), fps=24,
-        tiny_builder="tiny_cosmos3_pipeline", tiny_shape=TINY_SHAPE, frames_of=_cosmos_video),
+        tiny_builder="tiny_cosmos3_pipeline", tiny_shape=TINY_SHAPE, frames_of=_cosmos_video,
+        # its causal text stream needs a backend that runs causal attention (TRTLLM_ATTN does not)
+        sdpa_roles=("und_causal",)),
 )}
 
 

@@ -1,0 +1,199 @@
+"""The examples and the step benchmark run end to end offline (tiny random pipelines on the CPU), and what they
+write comes from the run: tables parsed back match the returned records, plots are real PNGs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusers_trtllm.evaluation import (REFERENCE_LABEL, SAGE_ATTN_LABEL, LpipsScorer, compress_layer_names,
+                                         format_number, psnr, sageattention_unavailable_reason, ssim)
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load_script(relative: str):
+    name = "script_" + Path(relative).stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def markdown_rows(text: str, heading: str) -> list[dict[str, str]]:
+    """The rows of the first table after the heading that starts with ``## heading``, keyed by header cells."""
+    lines = text.split(f"## {heading}", 1)[1].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        table.append([cell.strip() for cell in line.strip()[1:-1].split(" | ")])
+    return [dict(zip(table[0], row)) for row in table[2:]]
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def test_psnr_and_ssim_of_identical_and_perturbed_videos():
+    video = torch.rand(3, 3, 32, 40)
+    assert psnr(video, video) == math.inf
+    assert ssim(video, video) == pytest.approx(1.0)
+    shifted = (video + 0.1).clamp(0, 1)
+    mse = torch.mean((shifted.double() - video.double()) ** 2).item()
+    assert psnr(shifted, video) == pytest.approx(10 * math.log10(1 / mse))
+    noisy = (video + 0.2 * torch.randn_like(video)).clamp(0, 1)
+    assert ssim(noisy, video) < ssim(shifted, video) < 1.0
+    assert ssim(noisy, video) == pytest.approx(ssim(video, noisy))
+    assert ssim(video[:, :, :6, :6], video[:, :, :6, :6]) == pytest.approx(1.0)  # smaller than the window
+
+
+def test_lpips_says_why_when_it_cannot_load():
+    scorer = LpipsScorer()
+    video = torch.rand(2, 3, 64, 64)
+    if scorer.unavailable is None:  # lpips installed with its weights: the reference scores 0 against itself
+        assert scorer.score(video, video) == pytest.approx(0.0, abs=1e-6)
+    else:
+        assert "LPIPS" in scorer.unavailable and scorer.score(video, video) is None
+
+
+def test_compress_layer_names():
+    names = [f"transformer.blocks.{i}.attn1" for i in (0, 1, 2, 5)] + ["transformer_2.blocks.3.attn2", "norm"]
+    assert compress_layer_names(names) == ["norm", "transformer.blocks.[0-2,5].attn1",
+                                           "transformer_2.blocks.3.attn2"]
+
+
+# ------------------------------------------------------------------------------------------------ evaluate.py
+
+
+@pytest.fixture(scope="module")
+def evaluation(tmp_path_factory):
+    out = tmp_path_factory.mktemp("evaluate")
+    result = load_script("examples/evaluate.py").main(
+        ["--output-dir", str(out), "--steps", "2", "--gates", "1.0", "0.8", "--threshold", "0.5"])
+    return out, result
+
+
+def test_evaluate_tables_match_the_run(evaluation):
+    out, result = evaluation
+    records = {r.label: r for r in result["records"]}
+    text = (out / "tables.md").read_text()
+    rows = {row["config"]: row for row in markdown_rows(text, "Step 4")}
+    assert set(rows) == set(records)
+    reference = rows[REFERENCE_LABEL]
+    assert reference["PSNR (dB) ↑"] == "inf" and reference["SSIM ↑"] == "1.0000"
+    assert reference["speed-up (transformer)"] == "1.000×"
+    if result["lpips_unavailable"] is None:
+        assert reference["LPIPS ↓"] == "0.0000"
+    else:
+        assert reference["LPIPS ↓"] == "n/a" and result["lpips_unavailable"] in text
+    measured = [r for r in records.values() if r.run_s is not None]
+    assert len(measured) == 7  # reference, dense, SAGE, 2 × skip, 2 × SAGE + skip
+    for record in measured:
+        row = rows[record.label]
+        assert record.speedup_transformer > 0 and record.speedup_run > 0 and record.transformer_calls > 0
+        assert row["speed-up (transformer)"] == format_number(record.speedup_transformer, 3, "×")
+        assert row["speed-up (run)"] == format_number(record.speedup_run, 3, "×")
+        assert row["transformer (s)"] == format_number(record.transformer_s, 3)
+        assert row["PSNR (dB) ↑"] == format_number(record.psnr, 2)
+        assert row["SSIM ↑"] == format_number(record.ssim, 4)
+        assert row["sparsity"] == format_number(record.sparsity, 3)
+        if record.label != REFERENCE_LABEL:
+            assert "TORCH_REFERENCE" in row["ran on"]  # the CPU runs the TRT-LLM configurations on the reference
+    assert records["trtllm-gen FP8-SAGE"].psnr < math.inf  # quantization changes the video
+    assert all(records[label].sparsity == 0 for label in ("trtllm-gen BF16 dense", "trtllm-gen FP8-SAGE"))
+    # the plan's Step 2 lists the D sweep
+    assert [row["D"] for row in markdown_rows(text, "Step 2")] == ["1.00", "0.80"]
+    peer = rows[SAGE_ATTN_LABEL]
+    reason = sageattention_unavailable_reason("cpu")
+    assert reason and peer["notes"].startswith("not run:") and peer["PSNR (dB) ↑"] == "n/a"
+
+
+def test_evaluate_json_and_plots(evaluation):
+    out, result = evaluation
+    data = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in data["results"]] == [r.label for r in result["records"]]
+    for saved, record in zip(data["results"], result["records"]):
+        assert saved["speedup_transformer"] == record.speedup_transformer
+        assert saved["sparsity"] == record.sparsity
+    assert data["results"][0]["psnr"] == "inf"
+    for name, path in result["paths"].items():
+        if name.endswith("plot"):
+            assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000
+    counted = any(r.sparsity for r in result["records"])
+    assert ("sparsity_plot" in result["paths"]) == counted
+    # the gate keeps step 0 (t = 1) dense at D = 0.8, not step 1 (t = 0.75): its what-ran section says so
+    text = (out / "tables.md").read_text()
+    gated = text.split("### trtllm-gen Skip D=0.80", 1)[1].split("###", 1)[0]
+    assert "| 0 | TORCH_REFERENCE:dense |" in gated and "TORCH_REFERENCE:skip" in gated
+
+
+# ------------------------------------------------------------------------------------------------ generate.py
+
+
+def test_generate_with_environment_config(tmp_path, monkeypatch, capsys):
+    config = {"default": {"backend": "TORCH_REFERENCE", "quant": {"dtype_qk": "int8"},
+                          "skip_softmax": {"threshold": 0.5, "disabled_until_timestep": 0.9}},
+              "per_role": {"cross": {"backend": "TORCH_SDPA"}}}
+    monkeypatch.setenv("DIFFUSION_ATTENTION_CONFIG", json.dumps(config))
+    output = tmp_path / "fox.mp4"
+    result = load_script("examples/generate.py").main(["--steps", "2", "--output", str(output)])
+    assert output.stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert result["plan"] in printed
+    # step 0 (t = 1 > D, high-noise expert) is SAGE only, step 1 (t = 0.75, low-noise expert) SAGE + skip;
+    # cross-attention stays on TORCH_SDPA
+    assert "| 0 | TORCH_REFERENCE:sage-int8 | transformer.blocks.[0-1].attn1 |" in printed
+    assert "| 1 | TORCH_REFERENCE:sage-int8+skip | transformer_2.blocks.[0-1].attn1 |" in printed
+    assert "TORCH_SDPA:dense | transformer.blocks.[0-1].attn2" in printed
+    assert sorted(result["summary"]["per_step"]) == [0, 1]
+    assert result["transformer_seconds"] > 0
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+
+
+def test_transformer_step_benchmark_runs_standalone(tmp_path):
+    output = tmp_path / "step.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "benchmarks/transformer_step.py", "--tiny", "--configs", "sdpa", "cudnn",
+                           "dense", "skip", "sage", "none", "--lambdas", "0.5", "--output", str(output)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(output.read_text())
+    assert {res["model"] for res in data["results"]} >= {"Wan 2.2 A14B"}
+    for res in data["results"]:
+        rows = {row["label"]: row for row in res.get("rows", [])}
+        if "skipped" in res:
+            continue
+        assert rows["TORCH_SDPA cuDNN"]["error"].startswith("not run")
+        timed = [row for row in rows.values() if row["ms"] is not None]
+        assert len(timed) == 6 and all(row["ms"] > 0 and row["vs_sdpa"] > 0 for row in timed)
+        assert rows["TORCH_SDPA"]["vs_sdpa"] == 1.0
+        assert "attention_share_sdpa" in res
+        assert f"| TORCH_REFERENCE skip λ=0.5 | {rows['TORCH_REFERENCE skip λ=0.5']['ms']:.1f} |" in proc.stdout
+
+
+def test_transformer_step_benchmark_records_a_failing_configuration(tmp_path, monkeypatch):
+    benchmark = load_script("benchmarks/transformer_step.py")
+
+    def broken():
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(benchmark, "no_attention", broken)
+    result = benchmark.main(["--tiny", "--models", "wan", "--configs", "sdpa", "none", "--output",
+                             str(tmp_path / "step.json")])
+    rows = {row["label"]: row for row in result["results"][0]["rows"]}
+    assert rows["attention removed"]["error"] == "RuntimeError: kernel exploded"
+    assert rows["TORCH_SDPA"]["ms"] > 0
+    assert "RuntimeError: kernel exploded" in result["markdown"]
