@@ -89,8 +89,7 @@ def test_set_attn_processor_hands_text_refiner_to_diffusers():
     refiner = transformer.context_embedder.token_refiner.refiner_blocks[0].attn
     assert refiner.processor is processor and not processor.serves(refiner)
     run(transformer, transformer_inputs())
-    layers = set(processor.session.stats.per_layer())
-    assert len(layers) == 2 and all("TrtllmAttn" not in name for name in layers)
+    assert len(processor.session.stats.per_layer()) == 2  # the two joint blocks; the refiner is not planned
 
 
 def test_enable_installs_on_joint_blocks_only_and_restores():
