@@ -125,9 +125,7 @@ def _install(handle: TrtllmAttentionHandle, component: str, transformer) -> list
 def _merge_calibrations(transformers, explicit) -> dict[str, SkipCalibration]:
     from .calibration import calibrations_from_transformers
 
-    merged = calibrations_from_transformers(transformers)
-    merged.update(explicit or {})
-    return merged
+    return calibrations_from_transformers(transformers, explicit)
 
 
 def _check_calibrations(session: AttentionSession, sites) -> None:

@@ -76,6 +76,9 @@ def skip_factor(spec: AttentionSpec, site: CallSite, session: AttentionSession, 
             f"{site.component!r}, and it has none: load a calibrated checkpoint (its config.json carries "
             "'sparse_attention_config'), run diffusers_trtllm.calibration.calibrate(pipe, prompts), or set "
             "skip_softmax.threshold (λ) instead")
+    if calibration.keeps_dense(site.layer):
+        notes.append(f"dense: {site.layer} is kept dense by {site.component}'s calibration (ignore/targets)")
+        return 0.0
     lo_hi = calibration.sparsity_range
     if lo_hi is not None and not lo_hi[0] <= skip.target_sparsity <= lo_hi[1]:
         session.warn_once(f"extrapolate-{site.component}", (
@@ -101,6 +104,10 @@ def plan_attention(session: AttentionSession, site: CallSite, qkv: VarlenQKV, *,
     quant = spec.quant
     if factor and not sparse_ok:
         notes.append(f"dense: {site.role} attention does not take Skip-Softmax")
+        factor = 0.0
+    if factor and session.skip_probe is not None:
+        session.skip_probe(site, qkv, scale=scale, causal=causal, tile=tile)
+        notes.append("dense: Skip-Softmax calibration counted this call's skips")
         factor = 0.0
     if quant is not None and not quant_ok:
         notes.append(f"unquantized: {site.role} attention does not take SAGE")

@@ -47,6 +47,9 @@ class AttentionSession:
         self.step = -1
         self._layer_names: dict[int, tuple[str, str]] = {}
         self._warned: set[str] = set()
+        # Calibration (diffusers_trtllm.calibration.calibrate) sets this: every call that would skip is handed to
+        # it as (site, qkv, scale=, causal=, tile=) to count skips for many λ, and then runs dense.
+        self.skip_probe: Callable | None = None
 
     # --- timestep -------------------------------------------------------------------------------------------
     def set_timestep(self, raw) -> None:
