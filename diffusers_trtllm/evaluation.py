@@ -42,11 +42,6 @@ class VideoShape:
     frames: int | None
     steps: int | None = None
 
-    def latent_tokens(self, temporal: int, spatial: int, patch: tuple[int, int, int]) -> int:
-        """Video tokens the transformer sees: latent frames × rows × columns after patchifying."""
-        frames = (self.frames - 1) // temporal + 1
-        return (frames // patch[0]) * (self.height // spatial // patch[1]) * (self.width // spatial // patch[2])
-
 
 @dataclass(frozen=True)
 class SpeedRun:
@@ -69,7 +64,9 @@ class SpeedRun:
 
     @property
     def video_tokens(self) -> int:
-        return self.shape.latent_tokens(*self.vae_scale, self.patch)
+        """Video tokens the transformer sees: latent frames × rows × columns after patchifying."""
+        frames, rows, cols = self.latent_shape(1)[2:]
+        return (frames // self.patch[0]) * (rows // self.patch[1]) * (cols // self.patch[2])
 
 
 def _wan_step_inputs(run: SpeedRun, device: torch.device, dtype: torch.dtype) -> dict:
@@ -82,8 +79,8 @@ def _wan_step_inputs(run: SpeedRun, device: torch.device, dtype: torch.dtype) ->
 
 
 def _hunyuan15_step_inputs(run: SpeedRun, device: torch.device, dtype: torch.dtype) -> dict:
-    """Text-to-video: the MLLM and byT5 prompts fully valid (the most attention work), the 729 SigLIP image tokens
-    zero, which the transformer masks out as the pipeline's t2v path does."""
+    """Text-to-video: the MLLM and byT5 prompts fully valid (the most attention work), the SigLIP image tokens
+    zero, which the transformer then masks out, as in the pipeline's t2v path."""
     cfg = run.transformer_config
     mllm_tokens, byt5_tokens, image_tokens = run.context_tokens
     ones = dict(device=device, dtype=torch.long)
@@ -250,7 +247,7 @@ class TransformerTimer:
 
     def __init__(self, modules: Mapping[str, torch.nn.Module]):
         self.modules = dict(modules)
-        self._marks: list[tuple] = []
+        self._marks: list[list] = []  # [on CUDA, start, end] per call
         self._hooks: list = []
 
     @classmethod
