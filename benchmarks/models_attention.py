@@ -71,6 +71,7 @@ class Row:
     rel_err: float | None = None
     within_tolerance: bool | None = None
     ran: str = ""
+    compared_to: str | None = None  # the reference row's config
     error: str = ""
     calls_ms: list = field(default_factory=list)
 
@@ -154,45 +155,51 @@ def rel_err(outputs: list[torch.Tensor], references: list[torch.Tensor]) -> floa
 
 
 def bench_case(case: Case, device: torch.device, warmup: int, repeats: int) -> list[Row]:
-    rows = []
+    """One row per processor. The first that runs (diffusers' default unless it fails) is the reference."""
+    processors = {DEFAULT_LABEL: case.default_processor,
+                  **{label: case.processor_class(config) for label, config in configs(case).items()}}
+    rows, reference, reference_label = [], None, None
 
     def call():
         with torch.no_grad():
             return case.attn(**case.inputs)
 
-    case.attn.set_processor(case.default_processor)
-    reference = [t.clone() for t in case.used_outputs(call())]
-    times = timed_calls(call, device, warmup, repeats)
-    rows.append(Row(case.model, case.shape, DEFAULT_LABEL, statistics.median(times), ran="diffusers",
-                    calls_ms=times))
-    for label, config in configs(case).items():
+    for label, processor in processors.items():
         row = Row(case.model, case.shape, label)
         try:
-            processor = case.processor_class(config)
             case.attn.set_processor(processor)
-            row.rel_err = rel_err(case.used_outputs(call()), reference)
-            row.within_tolerance = row.rel_err <= TOLERANCE
+            outputs = case.used_outputs(call())
+            if reference is None:
+                reference, reference_label = [t.clone() for t in outputs], label
+            else:
+                row.rel_err = rel_err(outputs, reference)
+                row.within_tolerance = row.rel_err <= TOLERANCE
+            row.compared_to = reference_label
+            del outputs
             row.calls_ms = timed_calls(call, device, warmup, repeats)
             row.ms = statistics.median(row.calls_ms)
-            row.ran = ", ".join(sorted({mode for modes in processor.session.stats.modes().values()
-                                        for mode in modes}))
+            session = getattr(processor, "session", None)
+            row.ran = "diffusers" if session is None else ", ".join(
+                sorted({mode for modes in session.stats.modes().values() for mode in modes}))
         except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is a row with its reason
             row.error = f"{type(exc).__name__}: {exc}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         rows.append(row)
     case.attn.set_processor(case.default_processor)
     return rows
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| model | shape | config | ms (median) | vs default | rel. err | ≤ 1e-2 | ran |",
+    lines = ["| model | shape | config | ms (median) | speed vs reference | rel. err | ≤ 1e-2 | ran |",
              "|---|---|---|---:|---:|---:|:-:|---|"]
-    default_ms = {r.model: r.ms for r in rows if r.config == DEFAULT_LABEL}
+    reference_ms = {(r.model, r.config): r.ms for r in rows}
     for r in rows:
         if r.error:
             lines.append(f"| {r.model} | {r.shape} | {r.config} | – | – | – | – | not run: {r.error} |")
             continue
-        speedup = f"{default_ms[r.model] / r.ms:.2f}×" if r.ms else "–"
-        err = "reference" if r.rel_err is None else f"{r.rel_err:.2e}"
+        speedup = f"{reference_ms[r.model, r.compared_to] / r.ms:.2f}×"
+        err = "reference" if r.rel_err is None else f"{r.rel_err:.2e} (vs {r.compared_to})"
         ok = "" if r.within_tolerance is None else ("yes" if r.within_tolerance else "**no**")
         lines.append(f"| {r.model} | {r.shape} | {r.config} | {r.ms:.2f} | {speedup} | {err} | {ok} | {r.ran} |")
     return "\n".join(lines)
