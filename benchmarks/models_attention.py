@@ -8,7 +8,8 @@ processors against diffusers' default processors, at the 720p shapes.
 - Cosmos 3 (``layers.N.self_attn``, 32 query / 8 key-value heads of 128, hidden 4,096): 600 text tokens in the
   causal stream, 19,320 generation tokens attending to 19,920 keys.
 
-Rows per model: diffusers' default processor (the reference), then this package's processor with ``TORCH_SDPA``,
+Rows per model: diffusers' default processor (the reference; should it fail, e.g. for memory of its dense mask,
+the first row that runs is), then this package's processor with ``TORCH_SDPA``,
 ``TRTLLM_ATTN`` (Cosmos 3's causal stream on ``auto``: TRTLLM_ATTN runs non-causal attention only) and ``auto``.
 Each row: median of ``--repeats`` layer calls timed with CUDA events after ``--warmup`` calls (the first
 TRTLLM_ATTN call on a Hopper machine JIT-builds FMHAv2, ~90 s, inside the warm-up), relative error
