@@ -12,7 +12,7 @@ Rows per model: diffusers' default processor (the reference; should it fail, e.g
 the first row that runs is), then this package's processor with ``TORCH_SDPA``,
 ``TRTLLM_ATTN`` (Cosmos 3's causal stream on ``auto``: TRTLLM_ATTN runs non-causal attention only) and ``auto``.
 Each row: median of ``--repeats`` layer calls timed with CUDA events after ``--warmup`` calls (the first
-TRTLLM_ATTN call on a Hopper machine JIT-builds FMHAv2, ~90 s, inside the warm-up), relative error
+TRTLLM_ATTN call on a Hopper machine JIT-builds FMHAv2, ~90 s, before timing starts), relative error
 ``||out - ref|| / ||ref||`` over the outputs the model uses (HunyuanVideo: video tokens and valid text tokens)
 against the 1e-2 bf16 tolerance, and what ran (``backend:mode`` per attention call). A configuration that cannot
 run is a row with the reason (TRTLLM_ATTN refuses Cosmos 3's generation stream on Hopper: FMHAv2 was wrong for
