@@ -1,0 +1,111 @@
+"""Calibrate the tiny Wan 2.2 pipeline, save, reload, and check that target_sparsity lands where the curve says.
+
+Calibration setting, and why: the tiny pipeline's default transformer (head_dim 16) saturates at ~14% sparsity
+even at λ = 1 (too few RoPE frequencies: tokens at the same place in other frames score like the diagonal), and
+at its default 192×320×9 frames only ~2–6% of the 128×128 tiles can be skipped. Both experts are therefore rebuilt
+with head_dim 32 (``tiny_wan_transformer(attention_head_dim=32)``, qk_gain 3) and run at 256×448×9 frames
+(1,344 tokens, 11×11 tiles per head): λ from 1e-6 to 1 then gives 0–45% sparsity (the upper limit is local
+attention's: KV tiles before the diagonal are never below the running max), a smooth log-linear curve.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from diffusers_trtllm import enable_trtllm_attention
+from diffusers_trtllm.calibration import CalibrationError, calibrate, calibrations_from_pretrained
+from diffusers_trtllm.calibration.checkpoint import SIDECAR_NAME
+from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline, tiny_wan_transformer
+
+SHAPE = dict(height=256, width=448, num_frames=9, num_inference_steps=4)
+PROMPTS = ["a red fox in fresh snow", "waves breaking on black rocks"]
+LAMBDAS = np.geomspace(1e-6, 1.0, 31)
+TARGETS = (0.15, 0.25, 0.35)
+
+
+def calibration_pipeline():
+    pipe = tiny_wan22_pipeline(qk_gain=3.0)
+    pipe.transformer = tiny_wan_transformer(0, qk_gain=3.0, attention_head_dim=32)
+    pipe.transformer_2 = tiny_wan_transformer(1, qk_gain=3.0, attention_head_dim=32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    pipe = calibration_pipeline()
+    result = calibrate(pipe, PROMPTS, lambdas=LAMBDAS, target_sparsity=0.25, progress=False, **SHAPE)
+    folder = tmp_path_factory.mktemp("tiny_wan22")
+    pipe.save_pretrained(folder)
+    result.save(folder)
+    return pipe, result, folder
+
+
+def achieved_sparsity(stats) -> dict[str, float]:
+    """Skipped / all tiles per component over the calls that ran sparse (the population calibration counted)."""
+    counts = {}
+    for key, record in stats.records.items():
+        if "skip" in record.mode:
+            component = key[1].split(".")[0]
+            skipped, total = counts.get(component, (0, 0))
+            counts[component] = (skipped + int(record.skipped), total + int(record.total))
+    return {component: skipped / total for component, (skipped, total) in counts.items()}
+
+
+def test_fit_and_checkpoint(calibrated):
+    _, result, folder = calibrated
+    assert set(result.fits) == {"transformer", "transformer_2"}
+    for component, fit in result.fits.items():
+        cal = fit.calibration
+        assert fit.r_squared > 0.85, (component, fit.r_squared)
+        lo, hi = cal.sparsity_range
+        assert lo <= 0.15 and hi >= 0.35, (component, cal.sparsity_range)
+        assert cal.ignore == ("blocks.0.attn2", "blocks.1.attn2")  # cross-attention ran dense
+        assert cal.targets == ("WanAttention",)
+        config = json.loads((folder / component / "config.json").read_text())
+        group = config["sparse_attention_config"]["config_groups"]["group_0"]
+        assert group["threshold_scale_factor"]["prefill"] == {"a": cal.a, "b": cal.b}
+        assert group["target_sparsity"] == {"prefill": 0.25}
+        sidecar = json.loads((folder / component / SIDECAR_NAME).read_text())
+        assert sidecar["deployment"]["num_frames"] == 9 and sidecar["kv_len"] == [1344]
+        assert sidecar["fit"]["r_squared"] == pytest.approx(fit.r_squared)
+        assert set(sidecar["versions"]) >= {"torch", "diffusers", "diffusers_trtllm"}
+    loaded = calibrations_from_pretrained(folder)
+    assert {c: (cal.a, cal.b, cal.sparsity_range) for c, cal in loaded.items()} == \
+        {c: (f.calibration.a, f.calibration.b, f.calibration.sparsity_range) for c, f in result.fits.items()}
+
+
+def test_reloaded_pipeline_hits_each_target(calibrated):
+    """Reload the saved pipeline: enable_trtllm_attention reads the curves from its transformers' configs; the
+    reference backend's achieved sparsity on the calibration prompts lands within 0.1 of every target."""
+    from diffusers import WanPipeline
+
+    _, result, folder = calibrated
+    pipe = WanPipeline.from_pretrained(folder)  # diffusers logs that it keeps the unexpected config key
+    pipe.set_progress_bar_config(disable=True)
+    for target in TARGETS:
+        config = {"default": {"skip_softmax": {"target_sparsity": target}}}  # auto: reference where it skips
+        with enable_trtllm_attention(pipe, config) as handle:
+            assert handle.session.calibrations["transformer"].sparsity_range == \
+                result.fits["transformer"].calibration.sparsity_range
+            for i, prompt in enumerate(PROMPTS):
+                handle.session.reset()
+                pipe(prompt, generator=torch.Generator().manual_seed(i), output_type="latent", **SHAPE)
+        achieved = achieved_sparsity(handle.stats)
+        assert set(achieved) == {"transformer", "transformer_2"}
+        for component, sparsity in achieved.items():
+            assert abs(sparsity - target) < 0.1, (component, target, sparsity)
+
+
+def test_gate_keeps_high_noise_expert_uncalibrated():
+    """With D = 0.86 the high-noise expert (t >= 0.875) never runs sparse: no curve for it, and the low-noise
+    expert's curve records the gate. An impossible fit range fails with the observed range in the message."""
+    pipe = calibration_pipeline()
+    result = calibrate(pipe, PROMPTS[:1], lambdas=LAMBDAS, disabled_until_timestep=0.86, progress=False, **SHAPE)
+    assert set(result.fits) == {"transformer_2"}
+    assert result.fits["transformer_2"].calibration.disabled_until_timestep == 0.86
+    with pytest.raises(CalibrationError, match=r"sparsity in \[0.95, 1.0\].*observed range"):
+        calibrate(pipe, PROMPTS[:1], lambdas=LAMBDAS, fit_range=(0.95, 1.0), progress=False,
+                  height=128, width=256, num_frames=5, num_inference_steps=2)
