@@ -95,11 +95,11 @@ def _interpreter_cases():
         cases.append((f"dense-{dtype}", ragged, quant, KernelPlan("triton", 128 ** -0.5, quant=quant, tile=SMALL_TILE),
                       triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1)))
     peaky = _positional_qkv((128, 100), (160, 96), heads_q=2, heads_kv=1, sharpness=1.5)
-    for dtype, whole in (("int8", True), ("fp8_e4m3", False)):
+    for dtype in QK_DTYPES:
         quant = AttnQuantSpec(dtype, 1, 16)
         plan = KernelPlan("triton", 128 ** -0.5, quant=quant, tile=SMALL_TILE, skip_factor=15.0, count_skips=True)
-        cases.append((f"skip-{dtype}-whole{whole}", peaky, quant, plan,
-                      triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1, skip_whole_tile=whole)))
+        cases.append((f"skip-{dtype}", peaky, quant, plan,
+                      triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1)))
     return cases
 
 
@@ -178,9 +178,10 @@ def test_dense_attention_matches_quantized_reference(interpreted, dtype):
     assert _rel(out, ref) < 5e-3  # the bf16 rounding of the output (about 2e-3), nothing more
 
 
-@pytest.mark.parametrize("case", ["skip-int8-wholeTrue", "skip-fp8_e4m3-wholeFalse"])
-def test_skip_counts_and_output_match_reference(interpreted, case):
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+def test_skip_counts_and_output_match_reference(interpreted, dtype):
     cases, results = interpreted
+    case = f"skip-{dtype}"
     qkv, _, plan = cases[case]
     ref, ref_skipped, ref_total = _reference(qkv, plan)
     result = results[case]
@@ -208,16 +209,19 @@ def test_unavailable_reasons():
 def test_gpu_quantizer_matches_reference(dtype, q_block, k_block):
     qkv = _random_qkv((1000, 3001), (777, 4100), 8, 2, device="cuda")
     z = triton_sage.sage_quantize(qkv, AttnQuantSpec(dtype, q_block, k_block))
-    step = 1.0 if dtype == "int8" else 2 ** -3  # one grid step (fp8: relative)
     for got, (q, k, v, _) in zip(_unpack_quantized(z, qkv), qkv.sequences()):
         ref = quantize_sequence(q.float(), k.float(), v.float(), q_block, k_block, dtype)
-        assert torch.equal(got[0], ref.q) and torch.equal(got[1], ref.q_scale)
-        assert torch.equal(got[4], ref.v) and torch.equal(got[5], ref.v_scale)
-        # K's mean is summed with atomics (another order than torch.mean): a value may land one grid step away.
-        assert ((got[3] - ref.k_scale).abs() <= 1e-6 * ref.k_scale).all()
-        diff = (got[2] - ref.k).abs()
-        assert (diff > 0).float().mean() < 1e-3
-        assert (diff <= step * (1 if dtype == "int8" else ref.k.abs().clamp_min(2 ** -6))).all()
+        # On CUDA, PyTorch divides by a Python scalar (amax / 127) as a multiplication by its reciprocal, so the
+        # reference's scales can sit one float32 ulp from the kernel's exact division (bit-exact against the CPU
+        # reference: the interpreter tests); K's mean is also summed in another order (atomics). A value then
+        # lands at most one grid step away, rarely.
+        for name, values, scales, ref_values, ref_scales in (("q", got[0], got[1], ref.q, ref.q_scale),
+                                                             ("k", got[2], got[3], ref.k, ref.k_scale),
+                                                             ("v", got[4], got[5], ref.v, ref.v_scale)):
+            assert ((scales - ref_scales).abs() <= 1e-6 * ref_scales).all(), name
+            step = 1.0 if dtype == "int8" and name != "v" else ref_values.abs().clamp_min(2 ** -6) * 2 ** -3
+            diff = (values - ref_values).abs()
+            assert (diff > 0).float().mean() < 1e-3 and (diff <= step).all(), name
 
 
 @pytest.mark.gpu
@@ -235,14 +239,12 @@ def test_gpu_dense_attention(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("whole_tile", [True, False])
-def test_gpu_skip_counts_match_reference(whole_tile):
+@pytest.mark.parametrize("tile", [(128, 128), (64, 128)])
+def test_gpu_skip_counts_match_reference(tile):
     qkv = _positional_qkv((4096, 1500), (4096, 1500), 4, 2, sharpness=2.0, device="cuda")
     quant = AttnQuantSpec("int8", 1, 16)
-    plan = KernelPlan("triton", 128 ** -0.5, quant=quant, skip_factor=400.0, count_skips=True)
-    z = triton_sage.sage_quantize(qkv, quant)
-    result = triton_sage.sage_attention_quantized(
-        qkv, z, plan, triton_sage.AttentionLaunch(*plan.tile, skip_whole_tile=whole_tile))
+    plan = KernelPlan("triton", 128 ** -0.5, quant=quant, skip_factor=400.0, tile=tile, count_skips=True)
+    result = triton_sage.triton_sage_attention(qkv, plan)
     ref, ref_skipped, ref_total = _reference(qkv, plan)
     assert int(result.total_tiles) == ref_total
     assert 0.05 * ref_total < ref_skipped < 0.95 * ref_total

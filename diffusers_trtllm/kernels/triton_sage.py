@@ -72,13 +72,21 @@ class AttentionLaunch:
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
-    # True: a skipped tile also skips its P·V product, but Triton then cannot software-pipeline the V load (its
-    # dot sits in a branch). False: the P·V product always runs (on P = 0 for a skipped tile), only exp and the
-    # softmax arithmetic are skipped, and V stays pipelined.
-    skip_whole_tile: bool = True
+    # Q·Kᵀ channels (of 128) that sm_90's reduced-precision fp8 accumulator sums before an fp32 add; 128 is the
+    # fastest (the default), 32 the closest to fp32 accumulation but it spills registers. int8 accumulates exactly
+    # in int32 regardless.
+    fp8_qk_chunk: int = 128
 
 
-DENSE_LAUNCH = AttentionLaunch()  # the fastest shape measured on the H200 (benchmarks/sage.py)
+# The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~14% faster
+# than 128 × 128 with two, which needs all 255 registers and fits one program per multiprocessor.
+DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
+
+
+def skip_launch(tile: tuple[int, int]) -> AttentionLaunch:
+    """The launch for a skipping plan: the kernel tile is the skip tile ``plan.tile``, with one warp per 16 query
+    rows (a warpgroup per 64)."""
+    return AttentionLaunch(tile[0], tile[1], num_warps=max(1, tile[0] // 16))
 
 
 class SageQuantized(NamedTuple):
@@ -209,7 +217,7 @@ def sage_attention_quantized(qkv: VarlenQKV, quantized: SageQuantized, plan: Ker
     counted (an int32 atomic per program) only when ``plan.count_skips``.
     """
     if launch is None:
-        launch = AttentionLaunch(*plan.tile) if plan.skips else DENSE_LAUNCH
+        launch = skip_launch(plan.tile) if plan.skips else DENSE_LAUNCH
     if plan.skips and (launch.block_m, launch.block_n) != tuple(plan.tile):
         raise ValueError(f"skip decisions are made per kernel tile: launch tile {launch.block_m}x{launch.block_n} "
                          f"must equal plan.tile {plan.tile}")
@@ -228,8 +236,8 @@ def sage_attention_quantized(qkv: VarlenQKV, quantized: SageQuantized, plan: Ker
         quantized.q_block.bit_length() - 1, quantized.k_block.bit_length() - 1,
         plan.scale * LOG2E, plan.skip_factor, heads_q // heads_kv, heads_kv,
         QK_INT8=quantized.q.dtype == torch.int8,
-        HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SKIP=plan.skips,
-        SKIP_WHOLE_TILE=launch.skip_whole_tile, COUNT_SKIPS=count,
+        HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
+        SKIP=plan.skips, COUNT_SKIPS=count,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not plan.count_skips:
         return KernelResult(out)
@@ -368,8 +376,8 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_q_ptr, 
 @_jit
 def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
                     v_base, j, kv_len, v_len, log2_lambda,
-                    QK_INT8: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SKIP: tl.constexpr, SKIP_WHOLE_TILE: tl.constexpr, MASKED: tl.constexpr):
+                    QK_INT8: tl.constexpr, FP8_QK_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SKIP: tl.constexpr, MASKED: tl.constexpr):
     """Fold KV tile ``j : j + BLOCK_N`` into the running max ``m_i``, row sum ``l_i`` and accumulator ``acc``.
 
     Scores are ``t * q_scale`` with ``t = (q · k) * k_scale``: q_scale > 0 per row commutes with the row max, so
@@ -379,19 +387,20 @@ def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, str
     cols = j + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     k_ptrs = k_base + cols.to(tl.int64)[:, None] * stride_kt + dims[None, :]
+    v_ptrs = v_base + cols[None, :]
     if MASKED:
         col_valid = cols < kv_len
         k = tl.load(k_ptrs, mask=col_valid[:, None], other=0.0)
         k_scale = tl.load(k_scale_base + (cols >> k_block_shift), mask=col_valid, other=0.0)
-        v_t = tl.load(v_base + cols[None, :], mask=cols[None, :] < v_len, other=0.0)
     else:
         k = tl.load(k_ptrs)
         k_scale = tl.load(k_scale_base + (cols >> k_block_shift))
-        v_t = tl.load(v_base + cols[None, :])
     if QK_INT8:
         t = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
     else:
-        t = tl.dot(q, tl.trans(k)) * k_scale[None, :]
+        # sm_90's fp8 tensor cores accumulate with reduced precision; every FP8_QK_CHUNK channels the partial
+        # product is added in fp32.
+        t = tl.dot(q, tl.trans(k), max_num_imprecise_acc=FP8_QK_CHUNK) * k_scale[None, :]
     if MASKED:
         t = tl.where(col_valid[None, :], t, float("-inf"))
     tile_max = tl.max(t, 1) * q_scale
@@ -402,30 +411,24 @@ def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, str
         skip_tile = tl.min(negligible.to(tl.int32), 0) == 1
     else:
         skip_tile = False
-    if SKIP_WHOLE_TILE:
-        if skip_tile:
-            skipped += 1
-        else:
-            m_new = tl.maximum(m_i, tile_max)
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(t * q_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            # Product then fp32 add: passing acc into an fp8 dot would accumulate across tiles in the tensor
-            # core's reduced-precision fp8 accumulator on sm_90.
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(v_t))
-            m_i = m_new
+    if skip_tile:
+        skipped += 1
     else:
-        if skip_tile:
-            skipped += 1
-            alpha = tl.full((q_scale.shape[0],), 1.0, tl.float32)
-            p = tl.zeros(t.shape, tl.float32)
+        # V^T is loaded here so that a skipped tile does not wait for it. (With skipping compiled in, Triton does
+        # not software-pipeline this load either way: its dot sits in a branch. Without, this is straight-line
+        # code and the load is pipelined.)
+        if MASKED:
+            v_t = tl.load(v_ptrs, mask=cols[None, :] < v_len, other=0.0)
         else:
-            m_new = tl.maximum(m_i, tile_max)
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(t * q_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
-            m_i = m_new
+            v_t = tl.load(v_ptrs)
+        m_new = tl.maximum(m_i, tile_max)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(t * q_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        # Product then fp32 add: passing acc into an fp8 dot would accumulate across tiles in the tensor core's
+        # reduced-precision fp8 accumulator on sm_90.
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(v_t))
+        m_i = m_new
     return m_i, l_i, acc, skipped
 
 
@@ -437,7 +440,7 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
                            q_block_shift, k_block_shift, score_scale, skip_factor, group_size, heads_kv,
                            QK_INT8: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           SKIP: tl.constexpr, SKIP_WHOLE_TILE: tl.constexpr, COUNT_SKIPS: tl.constexpr):
+                           FP8_QK_CHUNK: tl.constexpr, SKIP: tl.constexpr, COUNT_SKIPS: tl.constexpr):
     """One program: BLOCK_M query rows of one head of one sequence against all of that sequence's keys.
 
     Scores live in the log2 domain (``score_scale`` = softmax scale · log2 e), so the skip test
@@ -481,12 +484,12 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
         m_i, l_i, acc, skipped = _attend_kv_tile(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
             k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
-            QK_INT8, HEAD_DIM, BLOCK_N, SKIP, SKIP_WHOLE_TILE, False)
+            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, False)
     if full_end < kv_len:
         m_i, l_i, acc, skipped = _attend_kv_tile(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
             k_scale_base, k_block_shift, v_base, full_end, kv_len, v_len, log2_lambda,
-            QK_INT8, HEAD_DIM, BLOCK_N, SKIP, SKIP_WHOLE_TILE, True)
+            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, True)
 
     # acc and l_i both carry the factor 448 of P's fp8 encoding, which cancels here.
     v_scale = tl.load(v_scale_ptr + (seq * heads_kv + kv_head) * HEAD_DIM + dims)
