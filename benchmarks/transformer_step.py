@@ -184,6 +184,7 @@ def bench_model(entry: ModelEntry, run: SpeedRun, configs, args, device, dtype, 
             except Exception as e:  # noqa: BLE001  (record and go on: one failure must not lose the run)
                 message = str(e).splitlines()[0] if str(e) else ""
                 row = Row(entry.name, bench.label, error=f"{type(e).__name__}: {message}"[:300])
+            if row.error:  # after the except block, which kept the failed call's tensors alive (an OOM's)
                 free(device)
             rows.append(row)
     finally:
