@@ -1,0 +1,131 @@
+"""Calibrate Skip-Softmax for a pipeline, write the curve into its checkpoint, and plot it.
+
+Default: the tiny Wan 2.2 A14B-shaped pipeline on the CPU (experts rebuilt with head_dim 32 so that a useful
+sparsity range exists; see tests/test_calibration_pipeline.py), no downloads::
+
+    python examples/calibrate.py --output-dir calibrated_tiny
+
+On a GPU with a real model, at the deployment resolution, frames and steps (the curve depends on all three)::
+
+    python examples/calibrate.py --model Wan-AI/Wan2.2-T2V-A14B-Diffusers --height 720 --width 1280 \\
+        --frames 81 --steps 40 --gate 0.86 --prompts prompts.txt --output-dir Wan2.2-T2V-A14B-skip
+
+The output folder holds the pipeline's component folders with ``sparse_attention_config`` in each calibrated
+transformer's ``config.json`` (ModelOpt's schema) and ``sparse_attention_calibration.json`` beside it, plus
+``calibration.png`` (achieved sparsity against λ, with the fitted curve). With ``--model`` only the transformer
+configs are written (copy the weights beside them, or load the model and pass the calibrations explicitly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffusers_trtllm.calibration import CalibrationResult, calibrate
+
+DEFAULT_PROMPTS = ["A red fox runs through fresh snow at dawn, cinematic",
+                   "Waves break on black volcanic rocks under a stormy sky",
+                   "A busy night market in the rain, neon reflections on wet streets"]
+
+
+def load_pipeline(model: str | None, device: str, dtype: torch.dtype):
+    if model is None:
+        from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline, tiny_wan_transformer
+
+        pipe = tiny_wan22_pipeline(qk_gain=3.0)
+        pipe.transformer = tiny_wan_transformer(0, qk_gain=3.0, attention_head_dim=32)
+        pipe.transformer_2 = tiny_wan_transformer(1, qk_gain=3.0, attention_head_dim=32)
+        return pipe.to(device)
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(model, torch_dtype=dtype).to(device)
+
+
+def plot(result: CalibrationResult, path: Path) -> None:
+    """Achieved sparsity against λ per component (points per prompt) with the fitted curve
+    s = log(λ·kv_len / a) / b."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (component, fit), color in zip(result.fits.items(), ("tab:blue", "tab:orange", "tab:green")):
+        cal = fit.calibration
+        lam = np.array([p["lambda"] for p in fit.points])
+        sparsity = np.array([p["sparsity"] for p in fit.points])
+        used = np.array([p["used"] for p in fit.points])
+        ax.scatter(lam[used], sparsity[used], s=12, color=color, label=f"{component} (fitted points)")
+        ax.scatter(lam[~used], sparsity[~used], s=12, facecolors="none", edgecolors=color)
+        kv_len = fit.points[0]["kv_len"]
+        grid = np.geomspace(lam.min(), lam.max(), 200)
+        curve = np.log(grid * kv_len / cal.a) / cal.b
+        ax.plot(grid, curve, color=color,
+                label=f"{component}: a={cal.a:.3g}, b={cal.b:.3g}, R²={fit.r_squared:.3f} (kv_len {kv_len})")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("λ = factor / kv_len")
+    ax.set_ylabel("achieved sparsity (skipped 128×128 tiles)")
+    ax.set_title("Skip-Softmax calibration: factor = a·exp(b·s)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary(result: CalibrationResult) -> str:
+    lines = ["| component | a | b | R² (log) | observed sparsity | λ at s=0.3 / 0.5 / 0.7 |", "|---|---:|---:|---:|---|---|"]
+    for component, fit in result.fits.items():
+        cal, kv_len = fit.calibration, fit.points[0]["kv_len"]
+        lams = " / ".join(f"{cal.factor(s) / kv_len:.3g}" for s in (0.3, 0.5, 0.7))
+        lo, hi = cal.sparsity_range
+        lines.append(f"| {component} | {cal.a:.4g} | {cal.b:.4g} | {fit.r_squared:.3f} | {lo:.3f}–{hi:.3f} | {lams} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> CalibrationResult:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model id or path (default: tiny built-in Wan 2.2 pipeline)")
+    parser.add_argument("--prompts", type=Path, default=None, help="text file, one prompt per line")
+    parser.add_argument("--height", type=int, default=256)
+    parser.add_argument("--width", type=int, default=448)
+    parser.add_argument("--frames", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--gate", type=float, default=0.0, help="disabled_until_timestep D of the deployment")
+    parser.add_argument("--lambda-min", type=float, default=1e-6)
+    parser.add_argument("--lambda-max", type=float, default=1.0)
+    parser.add_argument("--lambda-points", type=int, default=31)
+    parser.add_argument("--target-sparsity", type=float, default=None, help="target to suggest in the checkpoint")
+    parser.add_argument("--fit-range", type=float, nargs=2, default=(0.10, 0.90))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()] \
+        if args.prompts else DEFAULT_PROMPTS
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    pipe = load_pipeline(args.model, args.device, dtype)
+    pipe.set_progress_bar_config(desc="denoising", leave=False)
+    result = calibrate(pipe, prompts, height=args.height, width=args.width, num_frames=args.frames,
+                       num_inference_steps=args.steps, disabled_until_timestep=args.gate,
+                       lambdas=np.geomspace(args.lambda_min, args.lambda_max, args.lambda_points),
+                       target_sparsity=args.target_sparsity, fit_range=tuple(args.fit_range), seed=args.seed)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    if args.model is None:
+        pipe.save_pretrained(args.output_dir)
+    result.save(args.output_dir, pipe)
+    plot(result, args.output_dir / "calibration.png")
+    print(summary(result))
+    print(f"wrote {args.output_dir} (config.json + {len(result.fits)} sidecar(s)) and calibration.png")
+    return result
+
+
+if __name__ == "__main__":
+    main()
