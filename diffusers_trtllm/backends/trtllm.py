@@ -15,13 +15,13 @@ anything else       none: the check says so                     none
 Declared constraints (:func:`unavailable_reason` returns the first that fails, as a sentence):
 
 - head_dim 128; q/k/v bf16 on one CUDA device; non-causal; every sequence non-empty;
-- Hopper FMHAv2 only where it was proven against cuDNN SDPA on an H200: no sequence has fewer queries than keys.
-  Self-attention (equal lengths, grouped-query heads allowed) and cross-attention on a short context (75,600
-  queries on 512 keys, rel. err. 6.8e-5; 4,096 on 257) are correct; with fewer queries than keys FMHAv2 0.7.2
-  returns wrong results, grouped or not (rel. err. 0.17 for 19,320 queries on 19,920 keys at 32/8 and 32/32
-  heads, 0.36 for 4,096 on 4,696 at 8/8; ``benchmarks/attention.py``'s shape proofs). Cross-attention runs 24%
-  slower than cuDNN there (1.91 vs 1.55 ms, a small share of a step): ``auto`` still picks TRTLLM_ATTN, and a
-  ``per_role`` ``{"cross": {"backend": "TORCH_SDPA"}}`` moves it to cuDNN;
+- Hopper FMHAv2: self-attention (equal lengths, grouped-query heads allowed) and cross-attention on a short
+  context (75,600 queries on 512 keys, rel. err. 6.8e-5; 4,096 on 257) were proven against cuDNN SDPA on an H200.
+  With fewer queries than keys FMHAv2 0.7.2 returns wrong results, grouped or not (rel. err. 0.17 for 19,320
+  queries on 19,920 keys at 32/8 and 32/32 heads, 0.36 for 4,096 on 4,696 at 8/8; ``benchmarks/attention.py``'s
+  shape proofs), so such sequences run with zero-padded queries (``kernels.flashinfer_fmha.run_fmha_v2``).
+  Cross-attention runs 24% slower than cuDNN there (1.91 vs 1.55 ms, a small share of a step); a ``per_role``
+  ``{"cross": {"backend": "TORCH_SDPA"}}`` moves it to cuDNN;
 - Blackwell SAGE: Q block 1 with K block 1, 4 or 16 (the kernels FlashInfer 0.7.2's trtllm-gen ships); int8 Q/K
   on sm_100 only, fp8 e4m3 on sm_100 and sm_103;
 - FlashInfer >= 0.6.18 with the arguments these calls pass (read from its signatures).
@@ -133,12 +133,6 @@ def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
                     "triton_sage), which this installation does not have; FlashInfer has no per-block SAGE "
                     "kernel for sm_90")
         return triton_sage.triton_sage_unavailable_reason(plan, qkv)
-    longer_context = [(nq, nkv) for nq, nkv in zip(qkv.seqlens_q, qkv.seqlens_kv) if nq < nkv]
-    if longer_context:
-        nq, nkv = longer_context[0]
-        return (f"a sequence has {nq} queries on {nkv} keys; FMHAv2 on Hopper gives wrong results with fewer "
-                "queries than keys (measured against cuDNN on an H200), so such attention must run elsewhere "
-                "(TORCH_SDPA)")
     return flashinfer_unavailable_reason(FMHA_V2)
 
 

@@ -25,8 +25,10 @@ import torch
 from .flashinfer_calls import (RaggedIndex, SageScales, build_ragged_index, fmha_v2_call, sage_quantize_call,
                                trtllm_gen_call)
 
-if TYPE_CHECKING:  # the backends package imports this module: importing it back here would be circular
-    from ..backends.base import KernelPlan, VarlenQKV
+from ..backends.base import VarlenQKV  # base is loaded before the backends package imports this module
+
+if TYPE_CHECKING:
+    from ..backends.base import KernelPlan
 
 logger = logging.getLogger("diffusers_trtllm")
 
@@ -84,14 +86,33 @@ def run_fmha_v2(qkv: VarlenQKV, plan: KernelPlan) -> torch.Tensor:
     """Dense or Skip-Softmax attention on Hopper through FMHAv2, the whole batch in one call.
 
     q/k/v are made contiguous (a no-op when they are; FMHAv2 ignores strides). Returns ``[total_q, Hq, 128]``
-    in q's dtype.
+    in q's dtype. A sequence with fewer queries than keys (Cosmos 3's generation stream on text + generation
+    keys) is given zero queries up to its key length, because FMHAv2 0.7.2 computes wrong results for such
+    sequences and right ones for equal lengths; the padded rows' outputs are dropped. They cost
+    ``(kv_len - q_len) / q_len`` more work, and can keep the sequence's last query tile from skipping.
     """
     device = _canonical(qkv.q.device)
     if (device, qkv.q.dtype) not in _ready_fmha_v2:
         _prepare_fmha_v2(device, qkv.q.dtype)
-    q, k, v = (t.contiguous() for t in (qkv.q, qkv.k, qkv.v))
-    call = fmha_v2_call(q, k, v, workspace(device), _index_of(qkv), plan.scale, plan.skip_factor)
-    return call(flashinfer_prefill())
+    padded = any(nq < nkv for nq, nkv in zip(qkv.seqlens_q, qkv.seqlens_kv))
+    run_qkv = _pad_queries_to_keys(qkv) if padded else qkv
+    q, k, v = (t.contiguous() for t in (run_qkv.q, run_qkv.k, run_qkv.v))
+    out = fmha_v2_call(q, k, v, workspace(device), _index_of(run_qkv), plan.scale, plan.skip_factor)(
+        flashinfer_prefill())
+    if not padded:
+        return out
+    starts = run_qkv.cu_seqlens("q").tolist()
+    return torch.cat([out[start:start + nq] for start, nq in zip(starts, qkv.seqlens_q)])
+
+
+def _pad_queries_to_keys(qkv: VarlenQKV) -> VarlenQKV:
+    """``qkv`` with each sequence's queries zero-padded to at least its key length."""
+    pieces, lengths = [], []
+    for (q, _, _, _), nkv in zip(qkv.sequences(), qkv.seqlens_kv):
+        missing = max(nkv - q.shape[0], 0)
+        pieces += [q, q.new_zeros(missing, *q.shape[1:])] if missing else [q]
+        lengths.append(q.shape[0] + missing)
+    return VarlenQKV(torch.cat(pieces), qkv.k, qkv.v, tuple(lengths), qkv.seqlens_kv)
 
 
 def _prepare_fmha_v2(device: torch.device, dtype: torch.dtype) -> None:
