@@ -7,8 +7,10 @@ reference transfer:
 
 - Q and K quantized per block of 1, 4 or 16 tokens (blocks aligned to each sequence's start) to int8 or
   fp8 e4m3, K smoothed by its per-sequence mean; V per channel to fp8 e4m3;
-- Q·Kᵀ on the tensor cores in int8 (int32 accumulation, exact) or fp8 (fp32 accumulation), P quantized to
-  fp8 as ``P·448`` and P·V in fp8 with fp32 accumulation across KV tiles; row sums from unquantized P;
+- Q·Kᵀ on the tensor cores in int8 (int32 accumulation, exact) or fp8 (sm_90's fp8 accumulator is not fp32:
+  the output then differs from the fp32 reference by 7e-3 to 1e-2 instead of int8's 2.5e-3 bf16 floor;
+  ``AttentionLaunch.fp8_qk_chunk`` adds in fp32 more often, for a little accuracy and 5-14% speed), P quantized
+  to fp8 as ``P·448`` and P·V in fp8 with fp32 accumulation across KV tiles; row sums from unquantized P;
 - Skip-Softmax: a KV tile is skipped for a query tile when every row has ``exp(tile_max - running_max) < λ``
   with ``λ_i = skip_factor / kv_len_i``; a skipped tile leaves the running max, row sum and accumulator alone.
 
@@ -18,6 +20,12 @@ Two launches quantize, one attends:
    smoothing mean) and the max of |V| (for V's per-channel scale), accumulated with atomics.
 2. ``_sage_quantize_kernel`` — one pass over Q, K and V writing int8/fp8 values and their scales.
 3. ``_sage_attention_kernel`` — the attention itself, Skip-Softmax in the same kernel, optional skip counting.
+
+Tiles: dense attention runs 64 × 128 (query rows × keys, one warpgroup per program; the fastest measured).
+With skipping, the kernel tile *is* the skip-decision tile ``plan.tile`` (default 128 × 128, ModelOpt's and the
+reference's calibration shape; two warpgroups), so skip decisions and counts match the reference tile for tile.
+Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
+cuDNN SDPA dense including the 1.9 ms of quantization.
 
 Runs where Triton has fp8 tensor-core dots: sm_89 and newer (only sm_90, an H200, was measured). Under
 ``TRITON_INTERPRET=1`` the same kernels run on the CPU (slowly; for tests).
@@ -78,8 +86,8 @@ class AttentionLaunch:
     fp8_qk_chunk: int = 128
 
 
-# The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~14% faster
-# than 128 × 128 with two, which needs all 255 registers and fits one program per multiprocessor.
+# The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~13% faster
+# than 128 × 128 with two (587 vs 521 TFLOP/s at 16k tokens × 40 heads), which needs all 255 registers per thread.
 DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
 
 
