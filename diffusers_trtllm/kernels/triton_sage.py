@@ -249,7 +249,7 @@ def sage_attention_quantized(qkv: VarlenQKV, quantized: SageQuantized, plan: Ker
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not plan.count_skips:
         return KernelResult(out)
-    tq, tk = launch.block_m, launch.block_n
+    tq, tk = plan.tile  # the reference's count, also when a dense launch used another tile
     total = heads_q * sum(-(-nq // tq) * -(-nkv // tk) for nq, nkv in zip(qkv.seqlens_q, qkv.seqlens_kv))
     return KernelResult(out, skipped.to(torch.int64), torch.tensor(total, dtype=torch.int64, device=q.device))
 
@@ -377,8 +377,9 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_q_ptr, 
         # kernel reads V^T in 16-byte vectors masked at that multiple.
         v_start = _V_TOKEN_ALIGN * ((start + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN + seq)
         padded_length = (length + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN * _V_TOKEN_ALIGN
-        tl.store(v_t_ptr + head * v_t_head_stride + dims[None, :] * v_t_dim_stride + (v_start + tokens)[:, None],
-                 v.to(tl.float8e4nv), mask=(tokens < padded_length)[:, None])
+        v_t_head = v_t_ptr + head.to(tl.int64) * v_t_head_stride
+        tl.store(v_t_head + dims[None, :] * v_t_dim_stride + (v_start + tokens)[:, None], v.to(tl.float8e4nv),
+                 mask=(tokens < padded_length)[:, None])
 
 
 @_jit
@@ -476,7 +477,7 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
     k_base = k_ptr + kv_head * stride_kh + kv_start.to(tl.int64) * stride_kt
     k_scale_base = k_scale_ptr + kv_head * k_scale_stride + (kv_start >> k_block_shift) + seq
     v_start = tl.multiple_of(_V_TOKEN_ALIGN * ((kv_start + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN + seq), _V_TOKEN_ALIGN)
-    v_base = v_t_ptr + kv_head * v_t_head_stride + dims[:, None] * v_t_dim_stride + v_start
+    v_base = v_t_ptr + kv_head.to(tl.int64) * v_t_head_stride + dims[:, None] * v_t_dim_stride + v_start
     # V^T columns up to a multiple of 16 hold zeros (see the quantizer): masking there keeps 16-byte loads.
     v_len = tl.multiple_of((kv_len + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN * _V_TOKEN_ALIGN, _V_TOKEN_ALIGN)
 
