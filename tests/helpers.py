@@ -28,3 +28,10 @@ def wan_inputs(batch=2, frames=3, height=16, width=16, i2v=False, timestep=500):
 def tiny_wan(i2v=False, **kwargs):
     extra = dict(image_dim=I2V_IMAGE_DIM, added_kv_proj_dim=32) if i2v else {}
     return tiny_wan_transformer(**extra, **kwargs)
+
+
+def predicted_gate_modes(scheduler, gate: float) -> dict[int, str]:
+    """Per step of ``scheduler`` (timesteps already set): "skip" where t = timestep / num_train_timesteps <= gate,
+    else "dense" — what the timestep gate must do."""
+    train = scheduler.config.num_train_timesteps
+    return {i: "skip" if t / train <= gate else "dense" for i, t in enumerate(scheduler.timesteps.tolist())}

@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
-from helpers import max_rel_err
+from helpers import max_rel_err, predicted_gate_modes
 
 import diffusers_trtllm.processors.base as processor_base
 from diffusers_trtllm import Cosmos3TrtllmAttnProcessor, enable_trtllm_attention
@@ -107,8 +107,7 @@ def test_gate_switches_at_predicted_step():
     steps, gate = 4, 0.8
     scheduler = copy.deepcopy(pipe.scheduler)
     scheduler.set_timesteps(steps)
-    expected = {i: "skip" if t / scheduler.config.num_train_timesteps <= gate else "dense"
-                for i, t in enumerate(scheduler.timesteps.tolist())}
+    expected = predicted_gate_modes(scheduler, gate)
     assert "dense" in expected.values() and "skip" in expected.values()
     config = {"default": {"backend": "TORCH_REFERENCE",
                           "skip_softmax": {"threshold": 0.2, "disabled_until_timestep": gate}}}

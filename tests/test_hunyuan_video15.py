@@ -9,7 +9,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
-from helpers import max_rel_err
+from helpers import max_rel_err, predicted_gate_modes
 
 from diffusers_trtllm import HunyuanVideo15TrtllmAttnProcessor, enable_trtllm_attention
 from diffusers_trtllm.tiny_pipelines import tiny_hunyuan_video15_pipeline, tiny_hunyuan_video15_transformer
@@ -137,8 +137,7 @@ def test_gate_switches_at_predicted_step():
     steps, gate = 4, 0.9
     scheduler = copy.deepcopy(pipe.scheduler)
     scheduler.set_timesteps(sigmas=[1.0 - i / steps for i in range(steps)])
-    expected = {i: "skip" if t / scheduler.config.num_train_timesteps <= gate else "dense"
-                for i, t in enumerate(scheduler.timesteps.tolist())}
+    expected = predicted_gate_modes(scheduler, gate)
     assert "dense" in expected.values() and "skip" in expected.values()
     config = {"default": {"backend": "TORCH_REFERENCE",
                           "skip_softmax": {"threshold": 0.2, "disabled_until_timestep": gate}}}

@@ -11,7 +11,7 @@ from diffusers_trtllm import (AttentionConfigError, BackendUnavailableError, Ski
                               WanTrtllmAttnProcessor, enable_trtllm_attention)
 from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline
 
-from helpers import max_rel_err, tiny_wan, wan_inputs
+from helpers import max_rel_err, predicted_gate_modes, tiny_wan, wan_inputs
 
 
 @pytest.mark.parametrize("i2v", [False, True], ids=["wan22_t2v", "wan21_i2v"])
@@ -74,11 +74,9 @@ def expected_modes(pipe, steps, gate):
     """Per step: which expert runs (t >= boundary -> transformer) and whether skipping is on (t <= gate)."""
     pipe.scheduler.set_timesteps(steps)
     boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
-    out = []
-    for t in pipe.scheduler.timesteps.tolist():
-        expert = "transformer" if t >= boundary else "transformer_2"
-        out.append((expert, "skip" if t / pipe.scheduler.config.num_train_timesteps <= gate else "dense"))
-    return out
+    modes = predicted_gate_modes(pipe.scheduler, gate)
+    return [("transformer" if t >= boundary else "transformer_2", modes[i])
+            for i, t in enumerate(pipe.scheduler.timesteps.tolist())]
 
 
 @pytest.fixture(scope="module")
