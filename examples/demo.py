@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
+from diffusers_trtllm.evaluation import VideoShape, export_frames, find_model, generate_frames, load_pipeline
 
 REFERENCE_LABEL = "dense (TORCH_SDPA)"
 
@@ -38,19 +39,10 @@ def demo_configs(backend: str, threshold: float, gate: float) -> dict[str, Atten
     return {label: AttentionConfig.from_dict({"default": spec}) for label, spec in specs.items()}
 
 
-def load_pipeline(model: str | None, device: str, dtype: torch.dtype):
-    if model is None:
-        from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline
-
-        return tiny_wan22_pipeline().to(device)
-    from diffusers import DiffusionPipeline
-
-    return DiffusionPipeline.from_pretrained(model, torch_dtype=dtype).to(device)
-
-
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model id or path (default: tiny built-in Wan 2.2 pipeline)")
+    parser.add_argument("--model", default=None,
+                        help="Wan 2.2, HunyuanVideo 1.5 or Cosmos 3 model id, alias or path (default: tiny Wan 2.2)")
     parser.add_argument("--prompt", default="A red fox runs through fresh snow at dawn, cinematic")
     parser.add_argument("--height", type=int, default=192)
     parser.add_argument("--width", type=int, default=320)
@@ -66,15 +58,15 @@ def main(argv=None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    pipe = load_pipeline(args.model, args.device, dtype)
+    entry = find_model(args.model or "wan")
+    pipe = load_pipeline(entry, tiny=args.model is None, device=args.device, dtype=dtype, source=args.model)
     pipe.set_progress_bar_config(desc="denoising", leave=False)
+    shape = VideoShape(args.height, args.width, args.frames, args.steps)
     rows, reference = [], None
     for label, config in demo_configs(args.backend, args.threshold, args.gate).items():
         with enable_trtllm_attention(pipe, config) as handle:
             start = time.perf_counter()
-            video = pipe(args.prompt, height=args.height, width=args.width, num_frames=args.frames,
-                         num_inference_steps=args.steps, generator=torch.Generator().manual_seed(args.seed),
-                         output_type="pt").frames[0].float()
+            video = generate_frames(pipe, entry, args.prompt, shape, args.seed)
             seconds = time.perf_counter() - start
         summary = handle.stats.summary()
         if reference is None:
@@ -84,12 +76,9 @@ def main(argv=None) -> list[dict]:
         rows.append(dict(config=label, backends=",".join(backends), seconds=seconds, rel_diff=rel,
                          sparsity=summary["sparsity"], per_step=summary["per_step"]))
         if args.output_dir is not None:
-            from diffusers.utils import export_to_video
-
             args.output_dir.mkdir(parents=True, exist_ok=True)
-            name = "".join(ch if ch.isalnum() else "_" for ch in label).strip("_")
-            export_to_video(list(video.permute(0, 2, 3, 1).cpu().numpy()), str(args.output_dir / f"{name}.mp4"),
-                            fps=16)
+            name = "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in label).strip("_")
+            export_frames(video, str(args.output_dir / f"{name}.mp4"), fps=entry.fps)
     print(format_table(rows))
     return rows
 

@@ -1,0 +1,35 @@
+"""The main job: examples/demo.py on the tiny built-in pipeline, numbers checked against what each config means."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+DEMO = pathlib.Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+
+
+@pytest.fixture(scope="module")
+def demo_rows():
+    spec = importlib.util.spec_from_file_location("demo", DEMO)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    rows = demo.main(["--steps", "4", "--gate", "0.8"])  # default 192×320×9: 720 tokens, 6 KV tiles
+    return {row["config"]: row for row in rows}, demo
+
+
+def test_demo_compares_every_config_to_dense(demo_rows):
+    rows, demo = demo_rows
+    assert list(rows)[0] == demo.REFERENCE_LABEL
+    assert rows["dense (auto)"]["rel_diff"] == 0.0 and rows["dense (auto)"]["backends"] == "TORCH_SDPA"
+    for label in ("SAGE int8", "SAGE fp8"):
+        assert 1e-4 < rows[label]["rel_diff"] < 5e-2  # quantized, but the same video
+        assert rows[label]["backends"] == "TORCH_REFERENCE"
+
+
+def test_demo_skip_rows_follow_the_gate(demo_rows):
+    rows, _ = demo_rows
+    skip = rows["skip λ=0.5, D=0.8"]
+    per_step = [v for _, v in sorted(skip["per_step"].items())]
+    assert len(per_step) == 4 and per_step[0] == 0.0  # t = 0.999 > D: dense
+    assert skip["sparsity"] > 0 and max(per_step) > 0
+    assert skip["backends"] == "TORCH_REFERENCE,TORCH_SDPA"  # auto: SDPA while dense, reference while skipping
