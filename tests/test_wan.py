@@ -149,7 +149,7 @@ def test_install_time_errors(pipe):
 
 
 def test_target_sparsity_resolves_through_the_component_calibration(pipe):
-    calib = {"transformer": SkipCalibration(a=20.0, b=4.0), "transformer_2": SkipCalibration(a=40.0, b=4.0)}
+    calib = {"transformer": SkipCalibration(a=2.0, b=4.0), "transformer_2": SkipCalibration(a=4.0, b=4.0)}  # λ < 1
     config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"target_sparsity": 0.5}}}
     with enable_trtllm_attention(pipe, config, calibrations=calib) as handle:
         generate(pipe, steps=4)
