@@ -36,6 +36,7 @@ import torch
 
 from diffusers_trtllm import enable_trtllm_attention
 from diffusers_trtllm.config import TORCH_REFERENCE, TORCH_SDPA, TRTLLM_ATTN, AttnQuantSpec
+from diffusers_trtllm.platform import gpu_arch
 from diffusers_trtllm.evaluation import (MODELS, ModelEntry, SpeedRun, TransformerTimer, VideoShape,
                                          attention_config, find_model, format_number, markdown_table, no_attention,
                                          synchronize)
@@ -246,7 +247,9 @@ def main(argv=None) -> dict:
                else [e for e in MODELS.values() if e.speed is not None])
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
             else "cpu", "tiny": args.tiny, "lambdas": args.lambdas, "repeats": args.repeats}
-    if device.type == "cuda" and any(g in args.configs for g in ("dense", "skip", "sage", "sage_skip")):
+    # FlashInfer runs dense and skip everywhere, SAGE only on Blackwell (Hopper's SAGE is the Triton kernel)
+    flashinfer_groups = ("dense", "skip") if gpu_arch(device) == "sm_90" else ("dense", "skip", "sage", "sage_skip")
+    if device.type == "cuda" and any(g in args.configs for g in flashinfer_groups):
         meta["trtllm_warmup_s"] = trtllm_warmup(device)
     results = []
     for entry in entries:
