@@ -1,0 +1,218 @@
+"""The test plan's models (:data:`MODELS`): pipeline class, test-plan shape, tiny builder, and the real
+transformer configuration for the random-weight speed run; loading and running a pipeline to video frames, and
+exporting them to MP4.
+
+diffusers itself (pretrained pipelines, ``export_to_video``) and the tiny pipelines are imported inside the
+functions that need them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class VideoShape:
+    """Height and width in pixels, frame count, denoising steps; ``None`` leaves the pipeline's default."""
+
+    height: int | None
+    width: int | None
+    frames: int | None
+    steps: int | None = None
+
+
+@dataclass(frozen=True)
+class SpeedRun:
+    """One denoising call of a transformer with random weights: its ``__init__`` arguments, the video it denoises,
+    the VAE's (temporal, spatial) compression, its patch size, the conditioning token counts, the name of its
+    block list, and a function building the call's keyword arguments."""
+
+    transformer_config: Mapping
+    shape: VideoShape
+    vae_scale: tuple[int, int]
+    patch: tuple[int, int, int]
+    context_tokens: tuple[int, ...]
+    blocks_attr: str
+    inputs: Callable[["SpeedRun", torch.device, torch.dtype], dict]
+
+    def latent_shape(self, channels: int) -> tuple[int, ...]:
+        temporal, spatial = self.vae_scale
+        return (1, channels, (self.shape.frames - 1) // temporal + 1, self.shape.height // spatial,
+                self.shape.width // spatial)
+
+    @property
+    def video_tokens(self) -> int:
+        """Video tokens the transformer sees: latent frames × rows × columns after patchifying."""
+        frames, rows, cols = self.latent_shape(1)[2:]
+        return (frames // self.patch[0]) * (rows // self.patch[1]) * (cols // self.patch[2])
+
+
+def _wan_step_inputs(run: SpeedRun, device: torch.device, dtype: torch.dtype) -> dict:
+    cfg = run.transformer_config
+    (text_tokens,) = run.context_tokens
+    return dict(hidden_states=torch.randn(run.latent_shape(cfg["in_channels"]), device=device, dtype=dtype),
+                timestep=torch.tensor([500], device=device),
+                encoder_hidden_states=torch.randn(1, text_tokens, cfg["text_dim"], device=device, dtype=dtype),
+                return_dict=False)
+
+
+def _hunyuan15_step_inputs(run: SpeedRun, device: torch.device, dtype: torch.dtype) -> dict:
+    """Text-to-video: the MLLM and byT5 prompts fully valid (the most attention work), the SigLIP image tokens
+    zero, which the transformer then masks out, as in the pipeline's t2v path."""
+    cfg = run.transformer_config
+    mllm_tokens, byt5_tokens, image_tokens = run.context_tokens
+    ones = dict(device=device, dtype=torch.long)
+    return dict(hidden_states=torch.randn(run.latent_shape(cfg["in_channels"]), device=device, dtype=dtype),
+                timestep=torch.tensor([500.0], device=device, dtype=dtype),
+                encoder_hidden_states=torch.randn(1, mllm_tokens, cfg["text_embed_dim"], device=device,
+                                                  dtype=dtype),
+                encoder_attention_mask=torch.ones(1, mllm_tokens, **ones),
+                encoder_hidden_states_2=torch.randn(1, byt5_tokens, cfg["text_embed_2_dim"], device=device,
+                                                    dtype=dtype),
+                encoder_attention_mask_2=torch.ones(1, byt5_tokens, **ones),
+                image_embeds=torch.zeros(1, image_tokens, cfg["image_embed_dim"], device=device, dtype=dtype),
+                return_dict=False)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model of the test plan.
+
+    ``sdpa_roles``: roles or categories that stay dense on TORCH_SDPA in every TRT-LLM configuration (Wan's
+    cross-attention: 512 text keys, a few percent of attention time, faster on cuDNN than on FMHAv2 and not
+    proven on it for fewer queries than keys). ``frames_of`` takes the pipeline output (``output_type="np"``) to
+    one video ``[frames, H, W, C]``.
+    """
+
+    name: str
+    model_id: str
+    aliases: tuple[str, ...]
+    pipeline_class: str
+    transformer_class: str
+    shape: VideoShape
+    fps: int
+    tiny_builder: str
+    tiny_shape: VideoShape
+    frames_of: Callable
+    sdpa_roles: tuple[str, ...] = ()
+    speed: SpeedRun | None = None
+    tiny_speed: SpeedRun | None = None
+
+
+def _first_video(output):
+    return output.frames[0]
+
+
+def _cosmos_video(output):
+    return output.video
+
+
+_WAN_A14B_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+# HunyuanVideo-1.5-Diffusers-720p_t2v: the class defaults (54 layers, 16 heads of 128) with the 720p target
+# size and the t2v task, as diffusers' conversion script writes them.
+_HUNYUAN15_720P_T2V_CONFIG = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128,
+                                  num_layers=54, num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1,
+                                  qk_norm="rms_norm", text_embed_dim=3584, text_embed_2_dim=1472,
+                                  image_embed_dim=1152, rope_theta=256.0, rope_axes_dim=(16, 56, 56),
+                                  target_size=960, task_type="t2v")
+
+# 9 frames at 128×128 make 192 video tokens for Wan and HunyuanVideo: two 128-key tiles, so skipping can happen.
+TINY_SHAPE = VideoShape(128, 128, 9, 4)
+
+MODELS: dict[str, ModelEntry] = {entry.model_id: entry for entry in (
+    ModelEntry(
+        name="Wan 2.2 A14B", model_id="Wan-AI/Wan2.2-T2V-A14B-Diffusers", aliases=("wan", "wan2.2"),
+        pipeline_class="WanPipeline", transformer_class="WanTransformer3DModel",
+        shape=VideoShape(720, 1280, 81, 50), fps=16,
+        tiny_builder="tiny_wan22_pipeline", tiny_shape=TINY_SHAPE, frames_of=_first_video,
+        sdpa_roles=("cross",),
+        speed=SpeedRun(_WAN_A14B_CONFIG, VideoShape(720, 1280, 81), (4, 8), (1, 2, 2), (512,), "blocks",
+                       _wan_step_inputs),
+        tiny_speed=SpeedRun(dict(_WAN_A14B_CONFIG, num_attention_heads=2, attention_head_dim=16, text_dim=32,
+                                 freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64),
+                            VideoShape(128, 128, 9), (4, 8), (1, 2, 2), (16,), "blocks", _wan_step_inputs)),
+    ModelEntry(
+        name="HunyuanVideo 1.5", model_id="hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v",
+        aliases=("hunyuan", "hunyuanvideo1.5"), pipeline_class="HunyuanVideo15Pipeline",
+        transformer_class="HunyuanVideo15Transformer3DModel", shape=VideoShape(720, 1280, 121, 50), fps=24,
+        tiny_builder="tiny_hunyuan_video15_pipeline", tiny_shape=TINY_SHAPE, frames_of=_first_video,
+        # 81 frames: 75,600 video + 1,985 context tokens (~77.6k), the shape DESIGN.md measured; 121 frames
+        # (the pipeline's default) would make each step ~1.6× longer than the benchmark's time budget allows.
+        speed=SpeedRun(_HUNYUAN15_720P_T2V_CONFIG, VideoShape(720, 1280, 81), (4, 16), (1, 1, 1),
+                       (1000, 256, 729), "transformer_blocks", _hunyuan15_step_inputs),
+        tiny_speed=SpeedRun(dict(_HUNYUAN15_720P_T2V_CONFIG, in_channels=9, out_channels=4, num_attention_heads=2,
+                                 attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=32,
+                                 text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(4, 6, 6)),
+                            VideoShape(128, 128, 9), (4, 16), (1, 1, 1), (24, 8, 4), "transformer_blocks",
+                            _hunyuan15_step_inputs)),
+    ModelEntry(
+        name="Cosmos 3 Super", model_id="nvidia/Cosmos3-Super", aliases=("cosmos", "cosmos3"),
+        pipeline_class="Cosmos3OmniPipeline", transformer_class="Cosmos3OmniTransformer",
+        shape=VideoShape(720, 1280, None, 35), fps=24,
+        tiny_builder="tiny_cosmos3_pipeline", tiny_shape=TINY_SHAPE, frames_of=_cosmos_video,
+        # its causal text stream needs a backend that runs causal attention (TRTLLM_ATTN does not)
+        sdpa_roles=("und_causal",)),
+)}
+
+
+def find_model(name: str) -> ModelEntry:
+    """The entry whose model id or alias is ``name`` (case-insensitive), or a ValueError listing them."""
+    low = name.lower()
+    for entry in MODELS.values():
+        if low == entry.model_id.lower() or low in entry.aliases:
+            return entry
+    known = ", ".join(f"{e.model_id} ({'/'.join(e.aliases)})" for e in MODELS.values())
+    raise ValueError(f"unknown model {name!r}; known: {known}")
+
+
+def entry_for_pipeline(pipe) -> ModelEntry:
+    """The entry whose pipeline class ``pipe`` is (for pipelines loaded from a local path)."""
+    cls = type(pipe).__name__
+    for entry in MODELS.values():
+        if entry.pipeline_class == cls:
+            return entry
+    raise ValueError(f"{cls} is none of the evaluated pipelines {[e.pipeline_class for e in MODELS.values()]}")
+
+
+def load_pipeline(entry: ModelEntry, *, tiny: bool, device: str, dtype: torch.dtype, source: str | None = None):
+    """The tiny random pipeline of ``entry`` (from :mod:`diffusers_trtllm.tiny_pipelines`) or the pretrained one
+    from ``source`` (default: its model id)."""
+    if tiny:
+        from .. import tiny_pipelines
+
+        builder = getattr(tiny_pipelines, entry.tiny_builder, None)
+        if builder is None:
+            raise ValueError(f"no tiny pipeline for {entry.name}: diffusers_trtllm.tiny_pipelines has no "
+                             f"{entry.tiny_builder}()")
+        return builder().to(device)
+    import diffusers
+
+    cls = getattr(diffusers, entry.pipeline_class)
+    return cls.from_pretrained(source or entry.model_id, torch_dtype=dtype).to(device)
+
+
+def generate_frames(pipe, entry: ModelEntry, prompt: str, shape: VideoShape, seed: int, *,
+                    steps: int | None = None, output_type: str = "np"):
+    """Run the pipeline; return ``[frames, C, H, W]`` float32 in [0, 1] on the CPU (``output_type="latent"``
+    returns the raw output, for warm-up runs)."""
+    kwargs = dict(height=shape.height, width=shape.width, num_frames=shape.frames,
+                  num_inference_steps=steps if steps is not None else shape.steps)
+    output = pipe(prompt, generator=torch.Generator().manual_seed(seed), output_type=output_type,
+                  **{k: v for k, v in kwargs.items() if v is not None})
+    if output_type == "latent":
+        return output
+    video = entry.frames_of(output)
+    video = torch.as_tensor(video) if not torch.is_tensor(video) else video
+    return video.float().permute(0, 3, 1, 2).contiguous().cpu()
+
+
+def export_frames(frames: torch.Tensor, path: str, fps: int) -> str:
+    """Write ``[frames, C, H, W]`` in [0, 1] to an MP4 with diffusers' ``export_to_video``."""
+    from diffusers.utils import export_to_video
+
+    return export_to_video(list(frames.permute(0, 2, 3, 1).clamp(0, 1).numpy()), path, fps=fps)
