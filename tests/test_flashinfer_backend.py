@@ -119,23 +119,11 @@ def test_blackwell_accepts_cross_attention(monkeypatch, flashinfer_ok):
     assert trtllm.unavailable_reason(plan(), make_qkv((4096,), (512,))) is None
 
 
-def test_hopper_sage_without_triton_kernel_refused(monkeypatch, flashinfer_ok):
-    on_arch(monkeypatch, "sm_90")
-    monkeypatch.setattr(trtllm, "_triton_sage", lambda: None)
-    reason = trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="fp8_e4m3")), make_qkv())
-    assert "SAGE on Hopper" in reason and "triton_sage" in reason
-
-
 def test_hopper_sage_reason_comes_from_triton_kernel(monkeypatch, flashinfer_ok):
     on_arch(monkeypatch, "sm_90")
     fake = types.SimpleNamespace(triton_sage_unavailable_reason=lambda plan, qkv: "k block 1 not built")
-    monkeypatch.setattr(trtllm, "_triton_sage", lambda: fake)
+    monkeypatch.setattr(trtllm, "triton_sage", fake)
     assert trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="int8")), make_qkv()) == "k block 1 not built"
-
-
-def test_triton_sage_lookup_tolerates_only_its_own_absence():
-    module = trtllm._triton_sage()
-    assert module is None or hasattr(module, "triton_sage_attention")
 
 
 def test_int8_sage_refused_on_sm103(monkeypatch, flashinfer_ok):

@@ -205,7 +205,7 @@ def test_sm90_sage_routes_to_triton_kernel(monkeypatch, recording):
 
     fake = types.SimpleNamespace(triton_sage_attention=triton_sage_attention,
                                  triton_sage_unavailable_reason=lambda plan, qkv: seen.setdefault("check", None))
-    monkeypatch.setattr(trtllm, "_triton_sage", lambda: fake)
+    monkeypatch.setattr(trtllm, "triton_sage", fake)
     plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=AttnQuantSpec(dtype_qk="int8"))
     qkv = ragged_qkv()
     assert trtllm.unavailable_reason(plan, qkv) is None and "check" in seen

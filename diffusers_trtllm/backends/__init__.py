@@ -12,7 +12,6 @@ from . import reference, sdpa, trtllm  # noqa: F401  (registration)
 from .base import KernelPlan, KernelResult, VarlenQKV, get_backend, registered_backends
 
 
-
 def select_backend(requested: str, plan: KernelPlan, qkv: VarlenQKV) -> tuple[str, str]:
     """Return ``(backend name, why)``. An explicit backend that cannot run raises with its reason; ``auto``
     takes the most preferred backend that can and says why the better ones could not (``why`` is "" for an

@@ -33,14 +33,13 @@ predicts them); the kernels do not count skipped tiles, so results carry no coun
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 
 import torch
 
 from ..config import QK_DTYPES, SAGE_BLOCK_SIZES, TRTLLM_ATTN, AttnQuantSpec
 from ..errors import BackendUnavailableError
+from ..kernels import triton_sage
 from ..kernels.flashinfer_calls import FMHA_V2, SAGE_QUANTIZE, TRTLLM_GEN
 from ..kernels.flashinfer_fmha import (CubinUnavailableError, flashinfer_prefill, run_fmha_v2, run_trtllm_gen,
                                        warmup)
@@ -57,7 +56,6 @@ MIN_FLASHINFER = (0, 6, 18)  # SAGE quantizer with smooth_k and the batch-padded
 SAGE_QK_DTYPES_BY_ARCH = {"sm_100": ("int8", "fp8_e4m3"), "sm_103": ("fp8_e4m3",)}
 SAGE_Q_BLOCKS = (1,)
 SAGE_K_BLOCKS = (1, 4, 16)
-TRITON_SAGE_MODULE = "..kernels.triton_sage"
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the
 # installed FlashInfer, so an older or changed one is refused with a reason instead of failing mid-pipeline).
@@ -96,16 +94,6 @@ def sage_specs_with_kernels(arch: str) -> list[AttnQuantSpec]:
     return [AttnQuantSpec(dtype_qk=dtype) for dtype in SAGE_QK_DTYPES_BY_ARCH.get(arch, ())]
 
 
-def _triton_sage():
-    """This package's Hopper SAGE kernel module, or ``None`` while it does not exist."""
-    try:
-        return importlib.import_module(TRITON_SAGE_MODULE, __package__)
-    except ModuleNotFoundError as exc:
-        if exc.name != importlib.util.resolve_name(TRITON_SAGE_MODULE, __package__):
-            raise
-        return None
-
-
 def _common_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     if plan.causal:
         return ("the plan is causal (e.g. Cosmos 3's text stream); TRTLLM_ATTN runs non-causal attention only: "
@@ -126,12 +114,7 @@ def _common_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
 
 
 def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-    if plan.quant is not None:
-        triton_sage = _triton_sage()
-        if triton_sage is None:
-            return ("SAGE on Hopper (sm_90) needs this package's Triton kernel (diffusers_trtllm.kernels."
-                    "triton_sage), which this installation does not have; FlashInfer has no per-block SAGE "
-                    "kernel for sm_90")
+    if plan.quant is not None:  # FlashInfer has no per-block SAGE kernel for sm_90: this package's Triton one
         return triton_sage.triton_sage_unavailable_reason(plan, qkv)
     return flashinfer_unavailable_reason(FMHA_V2)
 
@@ -179,7 +162,7 @@ def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     arch = gpu_arch(qkv.q.device)
     if arch in FMHA_V2_ARCHS:
         if plan.quant is not None:
-            return _triton_sage().triton_sage_attention(qkv, plan)
+            return triton_sage.triton_sage_attention(qkv, plan)
         return KernelResult(run_fmha_v2(qkv, plan))
     if arch in TRTLLM_GEN_ARCHS:
         return KernelResult(run_trtllm_gen(qkv, plan))
