@@ -1,4 +1,8 @@
-"""Shared test inputs: tiny Wan transformer calls and relative-error metrics."""
+"""Shared test inputs: tiny Wan transformer calls, relative-error metrics, gate predictions, example loading."""
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 
@@ -35,3 +39,13 @@ def predicted_gate_modes(scheduler, gate: float) -> dict[int, str]:
     else "dense" — what the timestep gate must do."""
     train = scheduler.config.num_train_timesteps
     return {i: "skip" if t / train <= gate else "dense" for i, t in enumerate(scheduler.timesteps.tolist())}
+
+
+def load_script(relative: str):
+    """Import a repository script (``examples/demo.py``) as a module."""
+    name = "script_" + Path(relative).stem
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    return module

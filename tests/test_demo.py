@@ -1,18 +1,13 @@
 """The main job: examples/demo.py on the tiny built-in pipeline, numbers checked against what each config means."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
-DEMO = pathlib.Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def demo_rows():
-    spec = importlib.util.spec_from_file_location("demo", DEMO)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_script("examples/demo.py")
     rows = demo.main(["--steps", "4", "--gate", "0.8"])  # default 192×320×9: 720 tokens, 6 KV tiles
     return {row["config"]: row for row in rows}, demo
 

@@ -3,7 +3,6 @@ write comes from the run: tables parsed back match the returned records, plots a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,20 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import load_script
+
 from diffusers_trtllm.evaluation import (REFERENCE_LABEL, SAGE_ATTN_LABEL, LpipsScorer, compress_layer_names,
                                          format_number, psnr, sageattention_unavailable_reason, ssim)
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def load_script(relative: str):
-    name = "script_" + Path(relative).stem
-    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    return module
 
 
 def markdown_rows(text: str, heading: str) -> list[dict[str, str]]:
