@@ -23,6 +23,14 @@ from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
 QUERY_CHUNK = 2048  # query rows processed together; a multiple of every supported tile height
 
 
+def mask_future_keys(scores: torch.Tensor, q_start: int, k_start: int, sq: int, skv: int) -> torch.Tensor:
+    """Causal masking of a ``[..., rows, cols]`` block of scores whose first row is query ``q_start`` and first
+    column key ``k_start``: -inf where the key lies after the query, the last query aligned with the last key."""
+    qpos = torch.arange(q_start, q_start + scores.shape[-2], device=scores.device)[:, None] + (skv - sq)
+    kpos = torch.arange(k_start, k_start + scores.shape[-1], device=scores.device)[None, :]
+    return scores.masked_fill(kpos > qpos, -math.inf)
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
                         skip_lambda: float = 0.0, quant=None, tile: tuple[int, int] = (128, 128),
                         query_chunk: int = QUERY_CHUNK) -> tuple[torch.Tensor, int, int]:
@@ -63,9 +71,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         for j0 in range(0, skv, tk):
             s = qc @ kh[:, j0:j0 + tk].transpose(1, 2)  # [H, rows, tk]
             if causal:
-                qpos = torch.arange(c0, c0 + rows, device=q.device)[:, None] + (skv - sq)
-                kpos = torch.arange(j0, min(j0 + tk, skv), device=q.device)[None, :]
-                s = s.masked_fill(kpos > qpos, -math.inf)
+                s = mask_future_keys(s, c0, j0, sq, skv)
             tmax = s.amax(dim=-1)
             new_m = torch.maximum(m, tmax)
             if skip_lambda > 0.0:

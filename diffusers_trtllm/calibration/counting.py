@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from ..backends.reference import mask_future_keys
+
 QUERY_CHUNK = 2048  # query rows scored together
 KV_CHUNK = 4096  # key columns scored together; memory ~ heads × QUERY_CHUNK × KV_CHUNK
 
@@ -48,9 +50,7 @@ def skip_gaps(q: torch.Tensor, k: torch.Tensor, scale: float, *, tile: tuple[int
         for j0 in range(0, skv, kv_step):
             s = qh[:, c0:c0 + rows] @ kh[:, j0:j0 + kv_step].transpose(1, 2)
             if causal:
-                qpos = torch.arange(c0, c0 + rows, device=q.device)[:, None] + (skv - sq)
-                kpos = torch.arange(j0, j0 + s.shape[-1], device=q.device)[None, :]
-                s = s.masked_fill(kpos > qpos, -math.inf)
+                s = mask_future_keys(s, c0, j0, sq, skv)
             if j0 + kv_step >= skv and kv_pad:
                 s = torch.nn.functional.pad(s, (0, kv_pad), value=-math.inf)
             tile_max.append(s.view(hq, rows, -1, tk).amax(dim=-1))
