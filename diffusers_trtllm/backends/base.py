@@ -7,6 +7,7 @@ an explicit choice that cannot run raises with the reason and ``auto`` can pick 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -163,6 +164,10 @@ class FunctionBackend:
 
 _REGISTRY: dict[str, FunctionBackend] = {}
 
+#: Test seam: with this variable set to 1, ``TRTLLM_ATTN`` reports itself available on any device and computes
+#: with ``TORCH_REFERENCE``, so integrations (vLLM-Omni's diffusers path) can be tested end to end on a CPU.
+TRTLLM_ON_REFERENCE_ENV = "DIFFUSERS_TRTLLM_TRTLLM_ATTN_ON_REFERENCE"
+
 
 def register_backend(name: str, runner, check, priority: int = 0) -> FunctionBackend:
     """Add a backend to the registry (``priority``: higher is preferred by ``auto``)."""
@@ -172,9 +177,12 @@ def register_backend(name: str, runner, check, priority: int = 0) -> FunctionBac
 
 
 def get_backend(name: str) -> FunctionBackend:
-    return _REGISTRY[name]
+    backend = _REGISTRY[name]
+    if name == "TRTLLM_ATTN" and os.environ.get(TRTLLM_ON_REFERENCE_ENV) == "1":
+        return FunctionBackend(name, lambda plan, qkv: None, _REGISTRY["TORCH_REFERENCE"].runner, backend.priority)
+    return backend
 
 
 def registered_backends() -> list[FunctionBackend]:
     """All backends, most preferred first."""
-    return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
+    return sorted((get_backend(name) for name in _REGISTRY), key=lambda b: -b.priority)
