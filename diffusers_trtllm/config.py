@@ -35,7 +35,9 @@ BACKEND_ALIASES = {"TRTLLM-GEN": TRTLLM_ATTN, "TRTLLM_GEN": TRTLLM_ATTN, "TRTLLM
 FEATURE_BACKENDS = (AUTO, TRTLLM_ATTN, TORCH_REFERENCE)
 
 QK_DTYPES = ("int8", "fp8_e4m3")
-SAGE_BLOCK_SIZES = (1, 4, 16)
+SAGE_BLOCK_SIZES = (1, 4, 16)  # Q/K blocks of the Triton kernel and trtllm-gen (K)
+SAGE_Q_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64,)  # 64: Hopper FMHAv2 SAGE
+SAGE_K_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64, 128)
 ROLE_CATEGORIES = ("self", "cross", "joint")
 
 
@@ -104,19 +106,26 @@ class SkipSoftmaxSpec:
 @dataclass(frozen=True)
 class AttnQuantSpec:
     """SAGE quantization: Q/K per block of ``q_block_size`` / ``k_block_size`` tokens to ``dtype_qk``, K smoothed,
-    V per channel to fp8_e4m3. ``dtype_qk=None`` means no quantization (dense)."""
+    V per channel to fp8_e4m3. ``dtype_qk=None`` means no quantization (dense).
+
+    Block sizes left ``None`` take the fastest kernel of the GPU (Hopper fp8: FMHAv2's Q 64 / K 64 for
+    self-attention; elsewhere Q 1 / K 16). Explicit sizes are checked here against every size some kernel has
+    (:data:`SAGE_Q_BLOCK_SIZES`, :data:`SAGE_K_BLOCK_SIZES`) and, when attention is planned, against the kernels
+    of the GPU it runs on (1, 4, 16 on the Triton kernel and trtllm-gen's K; Q 1 on trtllm-gen; Q 64 with K 64 or
+    128 on Hopper's FMHAv2, fp8 only).
+    """
 
     dtype_qk: str | None = None
-    q_block_size: int = 1
-    k_block_size: int = 16
+    q_block_size: int | None = None
+    k_block_size: int | None = None
 
     def __post_init__(self):
         if self.dtype_qk is not None and self.dtype_qk not in QK_DTYPES:
             raise invalid("quant.dtype_qk", self.dtype_qk, f"one of {list(QK_DTYPES)} or null")
-        for name in ("q_block_size", "k_block_size"):
+        for name, valid in (("q_block_size", SAGE_Q_BLOCK_SIZES), ("k_block_size", SAGE_K_BLOCK_SIZES)):
             value = getattr(self, name)
-            if isinstance(value, bool) or value not in SAGE_BLOCK_SIZES:
-                raise invalid(f"quant.{name}", value, f"one of {list(SAGE_BLOCK_SIZES)}")
+            if value is not None and (type(value) is not int or value not in valid):
+                raise invalid(f"quant.{name}", value, f"an int, one of {list(valid)}, or null (the GPU's fastest)")
 
     @property
     def enabled(self) -> bool:

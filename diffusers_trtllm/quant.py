@@ -1,6 +1,8 @@
 """SAGE quantization in PyTorch: the reference every SAGE kernel of this package is checked against.
 
-Per sequence and per head:
+What a kernel computes is described by :class:`SageSemantics` (block sizes, P's fp8 scale, whether K's mean and
+V's scales are taken per sequence or over the whole packed batch); ``backends.trtllm.sage_semantics`` says which
+semantics each kernel has. Per sequence (or per batch, see below) and per head:
 
 - K is smoothed: its mean over the sequence's tokens is subtracted. Each query row's scores then shift by one
   constant, which softmax (and the Skip-Softmax rule, a difference of scores in one row) ignores.
@@ -8,8 +10,12 @@ Per sequence and per head:
   block's scale): ``scale = amax / qmax`` with qmax 127 for int8 (round to nearest, clamp to ±127) and 448 for
   fp8 e4m3 (round to nearest even by the cast). Blocks never straddle two sequences.
 - V is quantized per channel (one scale per head and channel over the sequence's tokens) to fp8 e4m3.
-- P (softmax numerators, in [0, 1] after the running max is subtracted) is quantized to fp8 e4m3 as P·448, so
-  the P·V product also runs in fp8; the row sums use unquantized P.
+- P (softmax numerators, in [0, 1] after the running max is subtracted) is quantized to fp8 e4m3 as P·p_scale
+  (448 for this package's Triton kernel, 256 for FMHAv2), so the P·V product also runs in fp8; the row sums use
+  unquantized P.
+- ``batch_stats``: K's mean and V's per-channel scales come from all tokens of the packed batch rather than from
+  each sequence (FlashInfer's trtllm-gen quantizer, whose ``k_mean`` / ``v_scale`` are ``[H, D]``).
+- ``k_block`` 0: one K scale per sequence and head (a block as long as the sequence).
 """
 
 from __future__ import annotations
@@ -20,8 +26,20 @@ import torch
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
-P_SCALE = FP8_MAX  # P in [0, 1] is stored as fp8(P * 448)
+P_SCALE = FP8_MAX  # P in [0, 1] is stored as fp8(P * 448) unless a kernel's semantics say otherwise
 _TINY = 1e-12  # keeps an all-zero block's scale finite
+
+
+@dataclass(frozen=True)
+class SageSemantics:
+    """What one SAGE kernel computes: Q/K dtype and blocks (tokens; ``k_block`` 0 = one scale per sequence and
+    head), P's fp8 scale, and whether K's mean and V's scales are batch-wide."""
+
+    dtype_qk: str
+    q_block: int
+    k_block: int
+    p_scale: float = P_SCALE
+    batch_stats: bool = False
 
 
 def qmax(dtype_qk: str) -> float:
@@ -63,9 +81,9 @@ def quantize_v_per_channel(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return round_to(v / scale, "fp8_e4m3"), scale
 
 
-def quantize_p(p: torch.Tensor) -> torch.Tensor:
-    """Softmax numerators in [0, 1] -> fp8 values of ``p * 448`` (divide the P·V product by 448)."""
-    return round_to(p * P_SCALE, "fp8_e4m3")
+def quantize_p(p: torch.Tensor, p_scale: float = P_SCALE) -> torch.Tensor:
+    """Softmax numerators in [0, 1] -> fp8 values of ``p * p_scale`` (divide the P·V product by ``p_scale``)."""
+    return round_to(p * p_scale, "fp8_e4m3")
 
 
 @dataclass
@@ -80,11 +98,26 @@ class SageSequence:
     v_scale: torch.Tensor  # [H, D]
 
 
-def quantize_sequence(q, k, v, q_block_size: int, k_block_size: int, dtype_qk: str) -> SageSequence:
-    """Quantize one sequence's Q, K, V (``[tokens, heads, D]``, any float dtype) as the module docstring says."""
-    k = k - k.mean(dim=0, keepdim=True)
-    qv, qs = quantize_blocks(q, q_block_size, dtype_qk)
-    kv, ks = quantize_blocks(k, k_block_size, dtype_qk)
-    vv, vs = quantize_v_per_channel(v)
-    return SageSequence(qv, expand_block_scales(qs, q_block_size, q.shape[0]), kv,
-                        expand_block_scales(ks, k_block_size, k.shape[0]), vv, vs)
+def quantize_sequence(q, k, v, semantics: SageSemantics, k_mean: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> SageSequence:
+    """Quantize one sequence's Q, K, V (``[tokens, heads, D]``, any float dtype) as the module docstring says.
+
+    ``k_mean`` ``[heads, D]`` / ``v_scale`` ``[heads, D]`` replace the sequence's own statistics (batch-wide
+    semantics: see :func:`batch_statistics`)."""
+    k = k - (k.mean(dim=0) if k_mean is None else k_mean.to(k.dtype))[None]
+    k_block = semantics.k_block or k.shape[0]
+    qv, qs = quantize_blocks(q, semantics.q_block, semantics.dtype_qk)
+    kv, ks = quantize_blocks(k, k_block, semantics.dtype_qk)
+    if v_scale is None:
+        vv, vs = quantize_v_per_channel(v)
+    else:
+        vs = v_scale.to(v.dtype)
+        vv = round_to(v / vs, "fp8_e4m3")
+    return SageSequence(qv, expand_block_scales(qs, semantics.q_block, q.shape[0]), kv,
+                        expand_block_scales(ks, k_block, k.shape[0]), vv, vs)
+
+
+def batch_statistics(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K's mean and V's per-channel fp8 scale over every token of a packed batch (``[tokens, heads, D]`` each):
+    ``(k_mean [heads, D], v_scale [heads, D])``, the statistics of batch-wide semantics."""
+    return k.mean(dim=0), v.abs().amax(dim=0).clamp_min(_TINY) / FP8_MAX

@@ -20,7 +20,7 @@ from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.kernels import triton_sage
-from diffusers_trtllm.quant import quantize_sequence
+from diffusers_trtllm.quant import SageSemantics, quantize_sequence
 
 QK_DTYPES = ("int8", "fp8_e4m3")
 BLOCK_PAIRS = ((1, 1), (1, 16), (4, 16), (16, 4))
@@ -50,13 +50,18 @@ def _random_qkv(lens_q, lens_kv, heads_q, heads_kv, dtype=torch.bfloat16, device
     return VarlenQKV(*(x.to(dtype).to(device) for x in (q, k, v)), tuple(lens_q), tuple(lens_kv))
 
 
+def _semantics(quant: AttnQuantSpec | None) -> SageSemantics | None:
+    """The Triton kernel's semantics for ``quant`` (per-sequence statistics, P·448)."""
+    return None if quant is None else SageSemantics(quant.dtype_qk, quant.q_block_size, quant.k_block_size)
+
+
 def _reference(qkv: VarlenQKV, plan: KernelPlan, compute=torch.float32):
     """Reference output (float32) and skip counts for a packed batch, sequence by sequence."""
     outs, skipped, total = [], 0, 0
     for (q, k, v, _), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
         lam = plan.skip_factor / kv_len if plan.skips else 0.0
         o, s, t = reference_attention(q.to(compute), k.to(compute), v.to(compute), plan.scale, skip_lambda=lam,
-                                      quant=plan.quant, tile=plan.tile)
+                                      quant=_semantics(plan.quant), tile=plan.tile)
         outs.append(o.float())
         skipped += s
         total += t
@@ -129,15 +134,32 @@ def _fix_triton_interpreter():
     interpreter._convert_float = convert
 
 
+def _quantize(qkv: VarlenQKV, quant: AttnQuantSpec) -> triton_sage.SageQuantized:
+    return triton_sage.sage_quantize(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"),
+                                     qkv.max_seqlen_q, qkv.max_seqlen_kv, dtype_qk=quant.dtype_qk,
+                                     q_block=quant.q_block_size, k_block=quant.k_block_size)
+
+
+def _attention(qkv: VarlenQKV, plan: KernelPlan):
+    """``(out, skipped, total)`` of the Triton kernel through its public function."""
+    quant = plan.quant
+    return triton_sage.triton_sage_attention(
+        qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q, qkv.seqlens_kv, plan.scale,
+        dtype_qk=quant.dtype_qk, q_block=quant.q_block_size, k_block=quant.k_block_size,
+        skip_factor=plan.skip_factor, skip_tile=plan.tile, count_skips=plan.count_skips)
+
+
 def _run_interpreted(cases_path, results_path):
     _fix_triton_interpreter()
     results = {}
     for name, qkv, quant, plan, launch in torch.load(cases_path, weights_only=False):
-        quantized = triton_sage.sage_quantize(qkv, quant)
+        quantized = _quantize(qkv, quant)
         if plan is None:
             results[name] = quantized
         else:
-            results[name] = triton_sage.sage_attention_quantized(qkv, quantized, plan, launch)
+            results[name] = triton_sage.sage_attention_quantized(
+                quantized, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q, qkv.seqlens_kv, plan.scale,
+                skip_factor=plan.skip_factor, skip_tile=plan.tile, count_skips=plan.count_skips, launch=launch)
     torch.save(results, results_path)
 
 
@@ -162,7 +184,7 @@ def test_quantizer_matches_reference_bit_for_bit(interpreted, dtype, q_block, k_
     z = results[f"quantize-{dtype}-{q_block}-{k_block}"]
     assert z.q.dtype == (torch.int8 if dtype == "int8" else torch.float8_e4m3fn)
     for got, (q, k, v, _) in zip(_unpack_quantized(z, qkv), qkv.sequences()):
-        ref = quantize_sequence(q.float(), k.float(), v.float(), q_block, k_block, dtype)
+        ref = quantize_sequence(q.float(), k.float(), v.float(), SageSemantics(dtype, q_block, k_block))
         for name, a, b in zip("q q_scale k k_scale v v_scale".split(), got,
                               (ref.q, ref.q_scale, ref.k, ref.k_scale, ref.v, ref.v_scale)):
             assert torch.equal(a, b), name
@@ -173,7 +195,7 @@ def test_dense_attention_matches_quantized_reference(interpreted, dtype):
     cases, results = interpreted
     qkv, _, plan = cases[f"dense-{dtype}"]
     ref, _, _ = _reference(qkv, plan)
-    out = results[f"dense-{dtype}"].out
+    out = results[f"dense-{dtype}"][0]
     assert out.dtype == torch.bfloat16 and out.shape == qkv.q.shape
     assert _rel(out, ref) < 5e-3  # the bf16 rounding of the output (about 2e-3), nothing more
 
@@ -184,21 +206,20 @@ def test_skip_counts_and_output_match_reference(interpreted, dtype):
     case = f"skip-{dtype}"
     qkv, _, plan = cases[case]
     ref, ref_skipped, ref_total = _reference(qkv, plan)
-    result = results[case]
+    out, skipped, total = results[case]
     assert 0 < ref_skipped < ref_total  # the case exercises skipping and not-skipping
-    assert int(result.skipped_tiles) == ref_skipped and int(result.total_tiles) == ref_total
-    assert _rel(result.out, ref) < 5e-3
+    assert int(skipped) == ref_skipped and int(total) == ref_total
+    assert _rel(out, ref) < 5e-3
 
 
 def test_unavailable_reasons():
     qkv = _random_qkv((64,), (64,), 2, 2)
-    quant = AttnQuantSpec("int8")
-    assert "quantized" in triton_sage.triton_sage_unavailable_reason(KernelPlan("t", 0.1), qkv)
-    assert "non-causal" in triton_sage.triton_sage_unavailable_reason(KernelPlan("t", 0.1, True, quant=quant), qkv)
-    small = VarlenQKV(qkv.q[..., :64], qkv.k[..., :64], qkv.v[..., :64], (64,), (64,))
-    assert "head_dim 128" in triton_sage.triton_sage_unavailable_reason(KernelPlan("t", 0.1, quant=quant), small)
-    fp32 = VarlenQKV(qkv.q.float(), qkv.k.float(), qkv.v.float(), (64,), (64,))
-    assert "bf16 or fp16" in triton_sage.triton_sage_unavailable_reason(KernelPlan("t", 0.1, quant=quant), fp32)
+    q, k, v = qkv.q, qkv.k, qkv.v
+    reason = triton_sage.triton_sage_unavailable_reason
+    assert "non-causal" in reason(q, k, v, causal=True)
+    assert "head_dim 128" in reason(q[..., :64], k[..., :64], v[..., :64])
+    assert "bf16 or fp16" in reason(q.float(), k.float(), v.float())
+    assert "sides 16, 32, 64 or 128" in reason(q, k, v, skip_tile=(64, 256))
 
 
 # ---------------------------------------------------------------- GPU: compiled kernels against float32 references
@@ -208,9 +229,9 @@ def test_unavailable_reasons():
 @pytest.mark.parametrize("q_block,k_block", BLOCK_PAIRS)
 def test_gpu_quantizer_matches_reference(dtype, q_block, k_block):
     qkv = _random_qkv((1000, 3001), (777, 4100), 8, 2, device="cuda")
-    z = triton_sage.sage_quantize(qkv, AttnQuantSpec(dtype, q_block, k_block))
+    z = _quantize(qkv, AttnQuantSpec(dtype, q_block, k_block))
     for got, (q, k, v, _) in zip(_unpack_quantized(z, qkv), qkv.sequences()):
-        ref = quantize_sequence(q.float(), k.float(), v.float(), q_block, k_block, dtype)
+        ref = quantize_sequence(q.float(), k.float(), v.float(), SageSemantics(dtype, q_block, k_block))
         # On CUDA, PyTorch divides by a Python scalar (amax / 127) as a multiplication by its reciprocal, so the
         # reference's scales can sit one float32 ulp from the kernel's exact division (bit-exact against the CPU
         # reference: the interpreter tests); K's mean is also summed in another order (atomics). A value then
@@ -230,7 +251,7 @@ def test_gpu_dense_attention(dtype):
     qkv = _random_qkv((1000, 3001), (777, 4100), 8, 2, device="cuda")
     quant = AttnQuantSpec(dtype, 1, 16)
     plan = KernelPlan("triton", 128 ** -0.5, quant=quant)
-    out = triton_sage.triton_sage_attention(qkv, plan).out
+    out, _, _ = _attention(qkv, plan)
     ref_quant, _, _ = _reference(qkv, plan)
     ref_exact, _, _ = _reference(qkv, KernelPlan("exact", plan.scale))
     assert torch.isfinite(out).all()
@@ -246,13 +267,13 @@ def test_gpu_skip_counts_match_reference(tile):
     qkv = _positional_qkv((4096, 1500), (4096, 1500), 4, 2, sharpness=2.0, device="cuda")
     quant = AttnQuantSpec("int8", 1, 16)
     plan = KernelPlan("triton", 128 ** -0.5, quant=quant, skip_factor=400.0, tile=tile, count_skips=True)
-    result = triton_sage.triton_sage_attention(qkv, plan)
+    out, skipped, total = _attention(qkv, plan)
     ref, ref_skipped, ref_total = _reference(qkv, plan)
-    assert int(result.total_tiles) == ref_total
+    assert int(total) == ref_total
     assert 0.05 * ref_total < ref_skipped < 0.95 * ref_total
     # Scores agree to float32 rounding; a decision exactly at the threshold may go either way.
-    assert abs(int(result.skipped_tiles) - ref_skipped) <= max(2, ref_total // 1000)
-    assert _rel(result.out, ref) < 5e-3
+    assert abs(int(skipped) - ref_skipped) <= max(2, ref_total // 1000)
+    assert _rel(out, ref) < 5e-3
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ first KV tile is never skipped (the running max starts at -inf). Memory is bound
 ``query_chunk × tile[1] × heads``, never S × S, so 32k-token problems run on a CPU.
 
 Computation runs in float32 (float64 when the inputs are float64); the output is cast back to q's dtype.
+
+SAGE follows the semantics of the kernel ``TRTLLM_ATTN`` runs for the plan's quantization on the tensors' GPU
+(:func:`~.trtllm.sage_semantics`: per-sequence or batch-wide K mean and V scales, block sizes, P's fp8 scale), so
+the reference and the kernel agree to the output rounding; on a CPU, this package's Triton kernel's semantics.
+Skip decisions are per ``plan.tile`` (the Hopper FMHAv2 SAGE kernel decides per 64 × 256: pass that tile to
+reproduce it exactly).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import math
 import torch
 
 from ..config import TORCH_REFERENCE
-from ..quant import P_SCALE, quantize_p, quantize_sequence
+from ..quant import SageSemantics, batch_statistics, quantize_p, quantize_sequence
 from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
+from .trtllm import sage_semantics
 
 QUERY_CHUNK = 2048  # query rows processed together; a multiple of every supported tile height
 
@@ -32,13 +39,17 @@ def mask_future_keys(scores: torch.Tensor, q_start: int, k_start: int, sq: int, 
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
-                        skip_lambda: float = 0.0, quant=None, tile: tuple[int, int] = (128, 128),
-                        query_chunk: int = QUERY_CHUNK) -> tuple[torch.Tensor, int, int]:
+                        skip_lambda: float = 0.0, quant: SageSemantics | None = None,
+                        tile: tuple[int, int] = (128, 128), query_chunk: int = QUERY_CHUNK,
+                        k_mean: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
     """Attention of one sequence. q ``[Sq, Hq, D]``, k/v ``[Skv, Hkv, D]`` (GQA when Hkv < Hq).
 
-    ``skip_lambda`` is λ (0 = dense); ``quant`` an :class:`~diffusers_trtllm.config.AttnQuantSpec` or None.
-    Returns ``(out [Sq, Hq, D] in q's dtype, skipped tiles, total tiles)``; tiles count (head, query tile,
-    KV tile) triples. ``causal`` aligns the last query with the last key.
+    ``skip_lambda`` is λ (0 = dense); ``quant`` the :class:`~diffusers_trtllm.quant.SageSemantics` of a SAGE
+    kernel, or None. ``k_mean`` / ``v_scale`` ``[Hkv, D]``: batch-wide statistics replacing the sequence's own
+    (:func:`~diffusers_trtllm.quant.batch_statistics`). Returns ``(out [Sq, Hq, D] in q's dtype, skipped tiles,
+    total tiles)``; tiles count (head, query tile, KV tile) triples. ``causal`` aligns the last query with the
+    last key.
     """
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -49,9 +60,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     q, k, v = (x.to(compute) for x in (q, k, v))
     if hkv != hq:
         k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
-    v_scale = None
+        k_mean, v_scale = (None if x is None else x.repeat_interleave(hq // hkv, dim=0) for x in (k_mean, v_scale))
     if quant is not None:
-        sage = quantize_sequence(q, k, v, quant.q_block_size, quant.k_block_size, quant.dtype_qk)
+        sage = quantize_sequence(q, k, v, quant, k_mean, v_scale)
         q, k, v, v_scale = sage.q * (sage.q_scale * scale), sage.k * sage.k_scale, sage.v, sage.v_scale
         # scores = (q_values · k_values) * q_scale * k_scale * softmax scale, folded into q and k above; exact for
         # int8 values (|sum| < 2^24) and fp8 values up to fp32 accumulation order.
@@ -89,7 +100,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
             safe_m = torch.where(new_m == -math.inf, torch.zeros_like(new_m), new_m)
             p = torch.exp(s - safe_m[..., None])
             alpha = torch.exp(m - safe_m)
-            pv_in = quantize_p(p) if quant is not None else p
+            pv_in = quantize_p(p, quant.p_scale) if quant is not None else p
             pv = pv_in @ vh[:, j0:j0 + tk]
             if skip_rows is not None:
                 keep = (~skip_rows).to(compute)
@@ -103,17 +114,21 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
             m = new_m
         out[:, c0:c0 + rows] = acc / lsum[..., None]
     if quant is not None:
-        out = out * (v_scale[:, None, :] / P_SCALE)
+        out = out * (v_scale[:, None, :].to(compute) / quant.p_scale)
     return out.transpose(0, 1).to(out_dtype), skipped, total
 
 
 def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     out = torch.empty_like(qkv.q)
     skipped = total = 0
+    semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv) if plan.quant else None
+    k_mean = v_scale = None
+    if semantics is not None and semantics.batch_stats:
+        k_mean, v_scale = batch_statistics(qkv.k.float(), qkv.v.float())
     for (q, k, v, rows), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
         lam = plan.skip_factor / kv_len if plan.skips else 0.0
-        o, s, t = reference_attention(q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=plan.quant,
-                                      tile=plan.tile)
+        o, s, t = reference_attention(q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=semantics,
+                                      tile=plan.tile, k_mean=k_mean, v_scale=v_scale)
         out[rows] = o
         skipped += s
         total += t

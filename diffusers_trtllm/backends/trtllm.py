@@ -2,60 +2,76 @@
 
 Which kernel runs, by GPU (head_dim 128, bf16, non-causal only):
 
-==================  ==========================================  ===========================================
+==================  ==========================================  =================================================
 GPU                 dense / Skip-Softmax                        SAGE (per-block Q/K, per-channel V)
-==================  ==========================================  ===========================================
-sm_90 (H100/H200)   FlashInfer ``trtllm_fmha_v2_prefill``       ``kernels.triton_sage`` (this package)
-                    (FMHAv2, JIT-built once per machine)
+==================  ==========================================  =================================================
+sm_90 (H100/H200)   FlashInfer ``trtllm_fmha_v2_prefill``       fp8: TRT-LLM FMHAv2's warp-specialized SAGE kernel
+                    (FMHAv2, JIT-built once per machine)        (``kernels.fmha_v2_sage``, Q block 64, K block
+                                                                64/128, self-attention); int8, Q/K blocks 1/4/16
+                                                                or unequal lengths: ``kernels.triton_sage``
 sm_100 (B200)       FlashInfer ``trtllm_ragged_attention_       FlashInfer ``trtllm_sage_attention_quantize``
 sm_103 (B300)       deepseek`` (trtllm-gen cubins)              + trtllm-gen; int8 Q/K on sm_100 only
 anything else       none: the check says so                     none
-==================  ==========================================  ===========================================
+==================  ==========================================  =================================================
+
+SAGE block sizes left unset (``None``) take the fastest kernel of the GPU (logged once); an explicit block size
+or dtype without a kernel on the GPU is refused, naming what the GPU offers (:func:`sage_block_sizes`).
 
 Declared constraints (:func:`unavailable_reason` returns the first that fails, as a sentence):
 
-- head_dim 128; q/k/v bf16 on one CUDA device; non-causal; every sequence non-empty;
+- head_dim 128; q/k/v bf16 on one CUDA device; non-causal; every sequence non-empty; query heads a multiple of
+  key/value heads;
 - Hopper FMHAv2: self-attention (equal lengths, grouped-query heads allowed) and cross-attention on a short
   context (75,600 queries on 512 keys, rel. err. 6.8e-5; 4,096 on 257) were proven against cuDNN SDPA on an H200.
   With fewer queries than keys FMHAv2 0.7.2 returns wrong results, grouped or not (rel. err. 0.17 for 19,320
   queries on 19,920 keys at 32/8 and 32/32 heads, 0.36 for 4,096 on 4,696 at 8/8; ``benchmarks/attention.py``'s
-  shape proofs), so such sequences run with zero-padded queries (``kernels.flashinfer_fmha.run_fmha_v2``).
+  shape proofs), so such sequences run with zero-padded queries (``kernels.flashinfer_fmha.fmha_v2_attention``).
   Cross-attention runs 24% slower than cuDNN there (1.91 vs 1.55 ms, a small share of a step); a ``per_role``
   ``{"cross": {"backend": "TORCH_SDPA"}}`` moves it to cuDNN;
-- Blackwell SAGE: Q block 1 with K block 1, 4 or 16 (the kernels FlashInfer 0.7.2's trtllm-gen ships); int8 Q/K
-  on sm_100 only, fp8 e4m3 on sm_100 and sm_103;
 - FlashInfer >= 0.6.18 with the arguments these calls pass (read from its signatures).
 
-Skip-Softmax decisions are taken per 128 × 128 tile on Hopper (the reference backend at ``tile=(128, 128)``
-predicts them); the kernels do not count skipped tiles, so results carry no counts.
+Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
+``tile=(128, 128)`` predicts them), per 64 × 256 by the FMHAv2 SAGE kernel, per ``plan.tile`` by the Triton SAGE
+kernel. An explicit ``threshold`` is λ itself: every sequence of a ragged batch gets the factor λ·max_kv_len,
+hence λ_i = λ·max_kv_len / kv_len_i (the kernels take one factor per call); the reference does exactly that.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import time
 
 import torch
 
-from ..config import QK_DTYPES, SAGE_BLOCK_SIZES, TRTLLM_ATTN, AttnQuantSpec
+from ..config import QK_DTYPES, TRTLLM_ATTN, AttnQuantSpec
 from ..errors import BackendUnavailableError
-from ..kernels import triton_sage
+from ..kernels import fmha_v2_sage, triton_sage
 from ..kernels.flashinfer_calls import FMHA_V2, SAGE_QUANTIZE, TRTLLM_GEN
-from ..kernels.flashinfer_fmha import (CubinUnavailableError, flashinfer_prefill, run_fmha_v2, run_trtllm_gen,
-                                       warmup)
+from ..kernels.flashinfer_fmha import (CubinUnavailableError, fmha_v2_attention, flashinfer_prefill,
+                                       trtllm_gen_attention)
 from ..platform import flashinfer_version, gpu_arch, version_tuple
+from ..quant import P_SCALE, SageSemantics
 from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
 
-__all__ = ["CubinUnavailableError", "unavailable_reason", "run", "warmup", "sage_specs_with_kernels"]
+__all__ = ["CubinUnavailableError", "unavailable_reason", "run", "warmup", "sage_specs_with_kernels",
+           "sage_semantics", "sage_block_sizes"]
+
+logger = logging.getLogger("diffusers_trtllm")
 
 HEAD_DIM = 128
 SUPPORTED_DTYPES = (torch.bfloat16,)
 FMHA_V2_ARCHS = ("sm_90",)
 TRTLLM_GEN_ARCHS = ("sm_100", "sm_103")
 MIN_FLASHINFER = (0, 6, 18)  # SAGE quantizer with smooth_k and the batch-padded scale layout
-SAGE_QK_DTYPES_BY_ARCH = {"sm_100": ("int8", "fp8_e4m3"), "sm_103": ("fp8_e4m3",)}
-SAGE_Q_BLOCKS = (1,)
-SAGE_K_BLOCKS = (1, 4, 16)
+SAGE_QK_DTYPES_BY_ARCH = {"sm_90": QK_DTYPES, "sm_100": ("int8", "fp8_e4m3"), "sm_103": ("fp8_e4m3",)}
+TRITON_SAGE_BLOCKS = (1, 4, 16)  # Q and K blocks of the Triton kernel (and of trtllm-gen's K)
+TRTLLM_GEN_Q_BLOCKS = (1,)
+PORTABLE_BLOCKS = (1, 16)  # q, k blocks for unset sizes on kernels other than FMHAv2 SAGE
+# FMHAv2 SAGE's K block for unset sizes: the fastest measured at Wan 2.2's shape (benchmarks/RESULTS.md, issue 11).
+FMHA_V2_DEFAULT_K_BLOCK = 64
+FMHA_V2_USER_K_BLOCKS = tuple(b for b in fmha_v2_sage.K_BLOCKS if b)  # 0 (per sequence) is internal only
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the
 # installed FlashInfer, so an older or changed one is refused with a reason instead of failing mid-pipeline).
@@ -90,8 +106,62 @@ def flashinfer_unavailable_reason(function: str) -> str | None:
 
 
 def sage_specs_with_kernels(arch: str) -> list[AttnQuantSpec]:
-    """Default-block SAGE settings (q 1, k 16) for each Q/K dtype the GPU ``arch`` has trtllm-gen kernels for."""
+    """SAGE settings with unset blocks (the GPU's fastest kernel) for each Q/K dtype the GPU ``arch`` has."""
     return [AttnQuantSpec(dtype_qk=dtype) for dtype in SAGE_QK_DTYPES_BY_ARCH.get(arch, ())]
+
+
+def sage_block_sizes(arch: str | None, dtype_qk: str, equal_lengths: bool = True) -> dict[str, tuple[int, ...]]:
+    """Q and K block sizes with a compiled SAGE kernel for ``dtype_qk`` on ``arch`` (``{"q": ..., "k": ...}``;
+    on Hopper FMHAv2's Q block 64 serves self-attention only, so ``equal_lengths`` says whether it counts)."""
+    if arch in FMHA_V2_ARCHS:
+        fmha = dtype_qk == "fp8_e4m3" and equal_lengths
+        return {"q": TRITON_SAGE_BLOCKS + ((fmha_v2_sage.Q_BLOCK,) if fmha else ()),
+                "k": TRITON_SAGE_BLOCKS + (FMHA_V2_USER_K_BLOCKS if fmha else ())}
+    if arch in TRTLLM_GEN_ARCHS:
+        return {"q": TRTLLM_GEN_Q_BLOCKS, "k": TRITON_SAGE_BLOCKS}
+    return {"q": TRITON_SAGE_BLOCKS, "k": TRITON_SAGE_BLOCKS}
+
+
+def _equal_lengths(seqlens_q, seqlens_kv) -> bool:
+    return tuple(seqlens_q) == tuple(seqlens_kv)
+
+
+def _hopper_sage_kernel(quant: AttnQuantSpec, equal_lengths: bool) -> str:
+    """``"fmha_v2"`` or ``"triton"``: which Hopper SAGE kernel serves ``quant``."""
+    if quant.dtype_qk != "fp8_e4m3" or not equal_lengths:
+        return "triton"
+    if quant.q_block_size is None:
+        return "fmha_v2" if quant.k_block_size in (None, *FMHA_V2_USER_K_BLOCKS) else "triton"
+    return "fmha_v2" if quant.q_block_size == fmha_v2_sage.Q_BLOCK else "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _log_choice(arch: str, quant: AttnQuantSpec, semantics: SageSemantics, kernel: str) -> None:
+    logger.warning("TRTLLM_ATTN SAGE %s on %s with unset block sizes: the %s kernel, Q block %d, K block %s",
+                   quant.dtype_qk, arch, kernel, semantics.q_block,
+                   semantics.k_block or "one per sequence and head")
+
+
+def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(1,), seqlens_kv=(1,)) -> SageSemantics:
+    """What the SAGE kernel that ``TRTLLM_ATTN`` runs for ``quant`` on ``device`` computes (block sizes resolved,
+    P's fp8 scale, per-sequence or batch-wide statistics). On a device without TRT-LLM kernels: this package's
+    Triton kernel's semantics, with unset blocks as :data:`PORTABLE_BLOCKS`."""
+    arch = gpu_arch(device)
+    equal = _equal_lengths(seqlens_q, seqlens_kv)
+    unset = quant.q_block_size is None or quant.k_block_size is None
+    if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, equal) == "fmha_v2":
+        k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
+        semantics = SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, k_block, p_scale=fmha_v2_sage.P_SCALE)
+        kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
+    else:
+        q_block = PORTABLE_BLOCKS[0] if quant.q_block_size is None else quant.q_block_size
+        k_block = PORTABLE_BLOCKS[1] if quant.k_block_size is None else quant.k_block_size
+        blackwell = arch in TRTLLM_GEN_ARCHS
+        semantics = SageSemantics(quant.dtype_qk, q_block, k_block, p_scale=P_SCALE, batch_stats=blackwell)
+        kernel = "trtllm-gen" if blackwell else "Triton"
+    if unset and arch is not None:
+        _log_choice(arch, quant, semantics, kernel)
+    return semantics
 
 
 def _common_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
@@ -107,29 +177,64 @@ def _common_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
                 f"{', '.join(str(d) for d in SUPPORTED_DTYPES)} inputs (SAGE quantizes them itself)")
     if len({qkv.q.device, qkv.k.device, qkv.v.device}) != 1:
         return f"q/k/v are on different devices ({qkv.q.device}, {qkv.k.device}, {qkv.v.device})"
+    if qkv.q.shape[1] % qkv.k.shape[1]:
+        return (f"{qkv.q.shape[1]} query heads on {qkv.k.shape[1]} key/value heads; the kernels need the query "
+                "heads to be a whole multiple of the key/value heads")
     if min(qkv.seqlens_q) == 0 or min(qkv.seqlens_kv) == 0:
         return (f"a sequence is empty (query lengths {qkv.seqlens_q}, key lengths {qkv.seqlens_kv}); the kernels "
                 "run without an empty-row check")
     return None
 
 
+def _sage_block_reason(quant: AttnQuantSpec, arch: str, equal_lengths: bool) -> str | None:
+    """Why ``quant``'s explicit dtype or block sizes have no kernel on ``arch``, naming what it offers."""
+    dtypes = SAGE_QK_DTYPES_BY_ARCH[arch]
+    if quant.dtype_qk not in dtypes:
+        return (f"SAGE with {quant.dtype_qk} Q/K has no kernel on {arch}; it has {list(dtypes)} "
+                f"(valid dtypes in general: {list(QK_DTYPES)})")
+    offered = sage_block_sizes(arch, quant.dtype_qk, equal_lengths)
+    if quant.q_block_size is not None and quant.q_block_size not in offered["q"]:
+        return _blocks_text(quant, arch, offered, equal_lengths)
+    if quant.k_block_size is not None and quant.k_block_size not in offered["k"]:
+        return _blocks_text(quant, arch, offered, equal_lengths)
+    if arch in FMHA_V2_ARCHS and None not in (quant.q_block_size, quant.k_block_size):
+        fmha_q = quant.q_block_size == fmha_v2_sage.Q_BLOCK
+        fmha_k = quant.k_block_size in FMHA_V2_USER_K_BLOCKS
+        if fmha_q != fmha_k:
+            return (f"SAGE blocks q={quant.q_block_size}, k={quant.k_block_size} mix two {arch} kernels: FMHAv2 takes "
+                    f"q {fmha_v2_sage.Q_BLOCK} with k {list(FMHA_V2_USER_K_BLOCKS)}, the Triton kernel q and k in "
+                    f"{list(TRITON_SAGE_BLOCKS)}")
+    return None
+
+
+def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, equal_lengths: bool) -> str:
+    note = "" if equal_lengths or arch not in FMHA_V2_ARCHS else (
+        f" (FMHAv2's q block {fmha_v2_sage.Q_BLOCK} serves self-attention only: this call has unequal query and key "
+        "lengths)")
+    return (f"SAGE blocks q={quant.q_block_size}, k={quant.k_block_size} have no {quant.dtype_qk} kernel on {arch}; "
+            f"compiled: q block {list(offered['q'])}, k block {list(offered['k'])}{note}; leave the block sizes "
+            "unset for the fastest")
+
+
 def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-    if plan.quant is not None:  # FlashInfer has no per-block SAGE kernel for sm_90: this package's Triton one
-        return triton_sage.triton_sage_unavailable_reason(plan, qkv)
-    return flashinfer_unavailable_reason(FMHA_V2)
+    quant = plan.quant
+    if quant is None:
+        return flashinfer_unavailable_reason(FMHA_V2)
+    equal = _equal_lengths(qkv.seqlens_q, qkv.seqlens_kv)
+    reason = _sage_block_reason(quant, "sm_90", equal)
+    if reason is not None:
+        return reason
+    if _hopper_sage_kernel(quant, equal) == "fmha_v2":
+        return flashinfer_unavailable_reason(FMHA_V2)  # the generator and JIT come from the same FlashInfer
+    return triton_sage.triton_sage_unavailable_reason(qkv.q, qkv.k, qkv.v, causal=plan.causal,
+                                                      skip_tile=plan.tile if plan.skips else None)
 
 
 def _blackwell_reason(plan: KernelPlan, qkv: VarlenQKV, arch: str) -> str | None:
-    quant = plan.quant
-    if quant is not None:
-        dtypes = SAGE_QK_DTYPES_BY_ARCH[arch]
-        if quant.dtype_qk not in dtypes:
-            return (f"SAGE with {quant.dtype_qk} Q/K has no trtllm-gen kernel on {arch}; it has {list(dtypes)} "
-                    f"(valid dtypes in general: {list(QK_DTYPES)})")
-        if quant.q_block_size not in SAGE_Q_BLOCKS or quant.k_block_size not in SAGE_K_BLOCKS:
-            return (f"SAGE blocks q={quant.q_block_size}, k={quant.k_block_size} have no trtllm-gen kernel; "
-                    f"compiled: q block {list(SAGE_Q_BLOCKS)} with k block {list(SAGE_K_BLOCKS)} "
-                    f"(of the configurable {list(SAGE_BLOCK_SIZES)})")
+    if plan.quant is not None:
+        reason = _sage_block_reason(plan.quant, arch, True)
+        if reason is not None:
+            return reason
         return flashinfer_unavailable_reason(SAGE_QUANTIZE) or flashinfer_unavailable_reason(TRTLLM_GEN)
     return flashinfer_unavailable_reason(TRTLLM_GEN)
 
@@ -152,21 +257,77 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
             "sm_103 (B200/B300)")
 
 
+def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
+    semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv)
+    if semantics.q_block == fmha_v2_sage.Q_BLOCK:
+        out = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), tuple(qkv.seqlens_q),
+                                                  plan.scale, k_block=semantics.k_block,
+                                                  skip_factor=plan.skip_factor)
+        return KernelResult(out)
+    out, skipped, total = triton_sage.triton_sage_attention(
+        qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),
+        tuple(qkv.seqlens_kv), plan.scale, dtype_qk=semantics.dtype_qk, q_block=semantics.q_block,
+        k_block=semantics.k_block, skip_factor=plan.skip_factor, skip_tile=tuple(plan.tile),
+        count_skips=plan.count_skips)
+    return KernelResult(out, skipped, total)
+
+
 def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
-    """Attention over the packed batch in one kernel call (two with SAGE on Blackwell: quantize, attend).
+    """Attention over the packed batch in one kernel call (plus the SAGE quantizer when ``plan.quant`` is set).
 
     ``qkv``: :class:`~.base.VarlenQKV` with q ``[total_q, Hq, 128]``, k/v ``[total_kv, Hkv, 128]`` bf16 on a
-    CUDA device that :func:`unavailable_reason` accepted. Returns ``out [total_q, Hq, 128]`` bf16 and no tile
-    counts (the kernels do not report them).
+    CUDA device that :func:`unavailable_reason` accepted. Returns ``out [total_q, Hq, 128]`` bf16; skip counts
+    only from the Triton SAGE kernel when ``plan.count_skips`` (the other kernels do not report them).
     """
     arch = gpu_arch(qkv.q.device)
+    lengths = (tuple(qkv.seqlens_q), tuple(qkv.seqlens_kv))
     if arch in FMHA_V2_ARCHS:
         if plan.quant is not None:
-            return triton_sage.triton_sage_attention(qkv, plan)
-        return KernelResult(run_fmha_v2(qkv, plan))
+            return _run_hopper_sage(qkv, plan)
+        return KernelResult(fmha_v2_attention(qkv.q, qkv.k, qkv.v, *lengths, plan.scale, plan.skip_factor))
     if arch in TRTLLM_GEN_ARCHS:
-        return KernelResult(run_trtllm_gen(qkv, plan))
+        sage = None
+        if plan.quant is not None:
+            semantics = sage_semantics(plan.quant, qkv.q.device, *lengths)
+            sage = (semantics.dtype_qk, semantics.q_block, semantics.k_block)
+        return KernelResult(trtllm_gen_attention(qkv.q, qkv.k, qkv.v, *lengths, plan.scale, plan.skip_factor,
+                                                 sage=sage))
     raise BackendUnavailableError(f"TRTLLM_ATTN has no kernel for {arch or qkv.q.device}")
+
+
+def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), sage: bool = True) -> dict[str, float]:
+    """Build or fetch everything TRTLLM_ATTN needs on ``device`` (default: the current CUDA device), now.
+
+    Hopper: JIT-compiles FlashInfer's FMHAv2 module for each dtype (dense and Skip-Softmax kernels are one
+    module) and, with ``sage``, the FMHAv2 SAGE kernels and the Triton SAGE kernel (minutes the first time on a
+    machine, a load afterwards). Blackwell: loads the trtllm-gen module and its cubins (downloaded on first use;
+    see :class:`CubinUnavailableError`) with one small dense call, and with ``sage`` one SAGE call per Q/K dtype
+    the GPU has kernels for. Returns seconds per step.
+    """
+    device = torch.device(device if device is not None else "cuda")
+    arch = gpu_arch(device)
+    timings: dict[str, float] = {}
+    for dtype in dtypes:
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"warmup dtype {dtype} is not supported by TRTLLM_ATTN; supported: "
+                             f"{list(SUPPORTED_DTYPES)}")
+        plans = [KernelPlan(backend=TRTLLM_ATTN, scale=HEAD_DIM ** -0.5)]
+        if sage:
+            plans += [KernelPlan(backend=TRTLLM_ATTN, scale=HEAD_DIM ** -0.5, quant=quant)
+                      for quant in sage_specs_with_kernels(arch)]
+        qkv = VarlenQKV(*(torch.zeros(256, 1, HEAD_DIM, dtype=dtype, device=device) for _ in range(3)),
+                        (256,), (256,))
+        for plan in plans:
+            reason = unavailable_reason(plan, qkv)
+            if reason is not None:
+                raise RuntimeError(f"TRTLLM_ATTN cannot warm up on {device}: {reason}")
+            step = f"{arch} {dtype}" + (f" sage {plan.quant.dtype_qk}" if plan.quant else "")
+            logger.info("TRTLLM_ATTN warm-up: %s", step)
+            start = time.perf_counter()
+            run(qkv, plan)
+            torch.cuda.synchronize(device)
+            timings[step] = time.perf_counter() - start
+    return timings
 
 
 TRTLLM_BACKEND = register_backend(TRTLLM_ATTN, run, unavailable_reason, priority=10)

@@ -2,7 +2,8 @@
 
 What each call passes is decided in :mod:`.flashinfer_calls`; this module owns the state around the calls:
 
-- one zero-initialised workspace buffer per device, allocated on first use and reused by every call;
+- one zero-initialised workspace buffer per CUDA stream, allocated on first use and reused by every call on that
+  stream (kernels on two streams never share scratch memory);
 - the ragged index (cumulative lengths) per distinct batch layout, cached so repeated layers copy nothing;
 - Hopper's FMHAv2 JIT build (about 90 s on 16 cores on first use; FlashInfer caches the build under
   ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer`` (default ``~/.cache/flashinfer``), so it happens once per
@@ -18,24 +19,18 @@ import functools
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from .flashinfer_calls import (RaggedIndex, SageScales, build_ragged_index, fmha_v2_call, sage_quantize_call,
                                trtllm_gen_call)
 
-from ..backends.base import VarlenQKV  # base is loaded before the backends package imports this module
-
-if TYPE_CHECKING:
-    from ..backends.base import KernelPlan
-
 logger = logging.getLogger("diffusers_trtllm")
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's own DiT tests use this size for the trtllm-gen kernels
 FMHA_V2_LAYOUT = "SEPARATE_Q_K_V"
 
-_workspaces: dict[torch.device, torch.Tensor] = {}
+_workspaces: dict[tuple[torch.device, int], torch.Tensor] = {}
 _ready_fmha_v2: set[tuple[torch.device, torch.dtype]] = set()
 
 
@@ -52,14 +47,19 @@ def flashinfer_prefill():
 
 
 def workspace(device: torch.device | str) -> torch.Tensor:
-    """The device's workspace buffer (``WORKSPACE_BYTES`` of uint8, zeroed once). Calls on one device share it,
-    so two calls on different streams of one device must not overlap."""
+    """The workspace buffer (``WORKSPACE_BYTES`` of uint8, zeroed once) of the device's current stream: calls
+    on one stream run in order and share it; a pipeline on another stream gets its own."""
     device = _canonical(device)
-    buf = _workspaces.get(device)
+    key = (device, _stream_id(device))
+    buf = _workspaces.get(key)
     if buf is None:
         buf = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        _workspaces[device] = buf
+        _workspaces[key] = buf
     return buf
+
+
+def _stream_id(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -75,44 +75,46 @@ def _canonical(device: torch.device | str) -> torch.device:
     return device
 
 
-def _index_of(qkv: VarlenQKV) -> RaggedIndex:
-    return ragged_index(tuple(qkv.seqlens_q), tuple(qkv.seqlens_kv), _canonical(qkv.q.device))
-
-
 # --------------------------------------------------------------------------------------------------- Hopper
 
 
-def run_fmha_v2(qkv: VarlenQKV, plan: KernelPlan) -> torch.Tensor:
-    """Dense or Skip-Softmax attention on Hopper through FMHAv2, the whole batch in one call.
+def fmha_v2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_q: tuple[int, ...],
+                      seqlens_kv: tuple[int, ...], scale: float, skip_factor: float = 0.0) -> torch.Tensor:
+    """Dense or Skip-Softmax attention on Hopper (sm_90) through FMHAv2, the whole batch in one call.
 
-    q/k/v are made contiguous (a no-op when they are; FMHAv2 ignores strides). Returns ``[total_q, Hq, 128]``
-    in q's dtype. A sequence with fewer queries than keys (Cosmos 3's generation stream on text + generation
-    keys) is given zero queries up to its key length, because FMHAv2 0.7.2 computes wrong results for such
-    sequences and right ones for equal lengths; the padded rows' outputs are dropped. They cost
+    ``q`` ``[total_q, Hq, 128]``, ``k``/``v`` ``[total_kv, Hkv, 128]`` bf16, ragged (sequence ``i`` owns
+    ``seqlens_q[i]`` query rows and ``seqlens_kv[i]`` key rows, in order; host ints). Made contiguous (a no-op
+    when they are; FMHAv2 ignores strides). ``skip_factor`` > 0 skips with λ_i = skip_factor / kv_len_i. Returns
+    ``[total_q, Hq, 128]`` in q's dtype. A sequence with fewer queries than keys (Cosmos 3's generation stream on
+    text + generation keys) is given zero queries up to its key length, because FMHAv2 0.7.2 computes wrong
+    results for such sequences and right ones for equal lengths; the padded rows' outputs are dropped. They cost
     ``(kv_len - q_len) / q_len`` more work, and can keep the sequence's last query tile from skipping.
     """
-    device = _canonical(qkv.q.device)
-    if (device, qkv.q.dtype) not in _ready_fmha_v2:
-        _prepare_fmha_v2(device, qkv.q.dtype)
-    padded = any(nq < nkv for nq, nkv in zip(qkv.seqlens_q, qkv.seqlens_kv))
-    run_qkv = _pad_queries_to_keys(qkv) if padded else qkv
-    q, k, v = (t.contiguous() for t in (run_qkv.q, run_qkv.k, run_qkv.v))
-    out = fmha_v2_call(q, k, v, workspace(device), _index_of(run_qkv), plan.scale, plan.skip_factor)(
-        flashinfer_prefill())
+    device = _canonical(q.device)
+    if (device, q.dtype) not in _ready_fmha_v2:
+        _prepare_fmha_v2(device, q.dtype)
+    padded = any(nq < nkv for nq, nkv in zip(seqlens_q, seqlens_kv))
+    run_q, run_lens = pad_queries_to_keys(q, seqlens_q, seqlens_kv) if padded else (q, tuple(seqlens_q))
+    index = ragged_index(run_lens, tuple(seqlens_kv), device)
+    out = fmha_v2_call(run_q.contiguous(), k.contiguous(), v.contiguous(), workspace(device), index, scale,
+                       skip_factor)(flashinfer_prefill())
     if not padded:
         return out
-    starts = run_qkv.cu_seqlens("q").tolist()
-    return torch.cat([out[start:start + nq] for start, nq in zip(starts, qkv.seqlens_q)])
+    starts = index.cum_seq_lens_q.tolist()
+    return torch.cat([out[start:start + nq] for start, nq in zip(starts, seqlens_q)])
 
 
-def _pad_queries_to_keys(qkv: VarlenQKV) -> VarlenQKV:
-    """``qkv`` with each sequence's queries zero-padded to at least its key length."""
-    pieces, lengths = [], []
-    for (q, _, _, _), nkv in zip(qkv.sequences(), qkv.seqlens_kv):
-        missing = max(nkv - q.shape[0], 0)
-        pieces += [q, q.new_zeros(missing, *q.shape[1:])] if missing else [q]
-        lengths.append(q.shape[0] + missing)
-    return VarlenQKV(torch.cat(pieces), qkv.k, qkv.v, tuple(lengths), qkv.seqlens_kv)
+def pad_queries_to_keys(q: torch.Tensor, seqlens_q: tuple[int, ...],
+                        seqlens_kv: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``q`` with each sequence's queries zero-padded to at least its key length, and the new query lengths."""
+    pieces, lengths, start = [], [], 0
+    for nq, nkv in zip(seqlens_q, seqlens_kv):
+        piece = q[start:start + nq]
+        start += nq
+        missing = max(nkv - nq, 0)
+        pieces += [piece, piece.new_zeros(missing, *piece.shape[1:])] if missing else [piece]
+        lengths.append(nq + missing)
+    return torch.cat(pieces), tuple(lengths)
 
 
 def _prepare_fmha_v2(device: torch.device, dtype: torch.dtype) -> None:
@@ -152,29 +154,41 @@ def _fmha_v2_build_state(dtype: torch.dtype) -> tuple[str | None, bool]:
 # ------------------------------------------------------------------------------------------------ Blackwell
 
 
-def run_trtllm_gen(qkv: VarlenQKV, plan: KernelPlan) -> torch.Tensor:
-    """Dense, Skip-Softmax or SAGE attention on datacenter Blackwell through trtllm-gen, one call per batch.
+def trtllm_gen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_q: tuple[int, ...],
+                         seqlens_kv: tuple[int, ...], scale: float, skip_factor: float = 0.0, *,
+                         sage: tuple[str, int, int] | None = None) -> torch.Tensor:
+    """Dense, Skip-Softmax or SAGE attention on datacenter Blackwell (sm_100, sm_103) through trtllm-gen, one
+    call per batch.
 
-    With ``plan.quant`` the SAGE quantizer runs first (one more kernel), then attention on the quantized
-    tensors. Returns ``[total_q, Hq, 128]`` bf16.
+    ``q`` ``[total_q, Hq, 128]``, ``k``/``v`` ``[total_kv, Hkv, 128]`` bf16, ragged as :func:`fmha_v2_attention`.
+    ``sage``: ``(dtype_qk, q_block, k_block)`` runs FlashInfer's SAGE quantizer first (K's mean and V's scales over
+    the whole packed batch), then attention on the quantized tensors. Returns ``[total_q, Hq, 128]`` bf16.
     """
     prefill = flashinfer_prefill()
-    device = _canonical(qkv.q.device)
-    index = _index_of(qkv)
-    q, k, v = (t.contiguous() for t in (qkv.q, qkv.k, qkv.v))
-    sage = None
+    device = _canonical(q.device)
+    index = ragged_index(tuple(seqlens_q), tuple(seqlens_kv), device)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    scales = None
     with _explain_missing_cubins():
-        if plan.quant is not None:
-            quant = plan.quant
+        if sage is not None:
+            dtype_qk, q_block, k_block = sage
             q, k, v, q_scale, k_scale, v_scale, _k_mean = sage_quantize_call(
-                q, k, v, index, quant.dtype_qk, quant.q_block_size, quant.k_block_size)(prefill)
-            sage = SageScales(q_scale, k_scale, v_scale, quant.q_block_size, quant.k_block_size)
-        call = trtllm_gen_call(q, k, v, workspace(device), index, plan.scale, plan.skip_factor, sage)
-        return call(prefill)
+                q, k, v, index, dtype_qk, q_block, k_block)(prefill)
+            scales = SageScales(q_scale, k_scale, v_scale, q_block, k_block)
+        return trtllm_gen_call(q, k, v, workspace(device), index, scale, skip_factor, scales)(prefill)
 
 
-_CUBIN_FAILURE_MARKERS = ("checksums.txt", "cubin", "artifact", "flashinfer_no_download", "download",
-                          "flashinfermetainfo")
+# FlashInfer's own wording when a cubin or its checksum list cannot be had (jit/cubin_loader.py, jit/attention/
+# modules.py): anything else is a different failure and passes through unchanged.
+_CUBIN_FAILURE_MARKERS = ("failed to get checksums.txt", "invalid checksums.txt", "artifact not found locally",
+                          "refusing to download", "max retries reached. download failed")
+
+
+def is_cubin_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is FlashInfer failing to obtain trtllm-gen cubins (no network, no local copy)."""
+    if any(marker in str(exc).lower() for marker in _CUBIN_FAILURE_MARKERS):
+        return True
+    return isinstance(exc, OSError) and type(exc).__module__.split(".")[0] in ("requests", "urllib3")
 
 
 @contextlib.contextmanager
@@ -182,69 +196,26 @@ def _explain_missing_cubins():
     """Re-raise a failed cubin download as :class:`CubinUnavailableError` with the offline remedies."""
     try:
         yield
-    except (RuntimeError, ValueError, OSError) as exc:
-        if any(marker in str(exc).lower() for marker in _CUBIN_FAILURE_MARKERS):
+    except (AssertionError, RuntimeError, ValueError, OSError) as exc:
+        if is_cubin_failure(exc):
             raise CubinUnavailableError(missing_cubins_message(exc)) from exc
         raise
 
 
 def missing_cubins_message(exc: BaseException) -> str:
     """The error a user sees when trtllm-gen cubins could not be loaded (no network, no local copy)."""
-    from ..platform import flashinfer_version
-
     try:
+        import flashinfer
         from flashinfer.jit import env as jit_env
 
-        cubin_dir = str(jit_env.FLASHINFER_CUBIN_DIR)
+        cubin_dir, version = str(jit_env.FLASHINFER_CUBIN_DIR), flashinfer.__version__
     except Exception:  # noqa: BLE001 - the message must still be built
-        cubin_dir = "~/.cache/flashinfer/cubins"
+        cubin_dir, version = "~/.cache/flashinfer/cubins", "the installed version"
     return (
         f"FlashInfer could not load its trtllm-gen attention kernels ({type(exc).__name__}: {exc}). FlashInfer "
         "downloads these cubins from NVIDIA's artifactory on first use and keeps them in "
         f"{cubin_dir}. Without network access: run any TRTLLM_ATTN call (or "
         "diffusers_trtllm.backends.trtllm.warmup()) once on a machine with network and the same FlashInfer "
-        f"({flashinfer_version()}), copy that cubin folder here and point FLASHINFER_CUBIN_DIR at it (or install "
+        f"({version}), copy that cubin folder here and point FLASHINFER_CUBIN_DIR at it (or install "
         "the flashinfer-cubin wheel of exactly that version, if one is published); set FLASHINFER_NO_DOWNLOAD=1 "
         "so a missing cubin fails at once instead of retrying the download.")
-
-
-# --------------------------------------------------------------------------------------------------- warm-up
-
-
-def warmup(device: torch.device | str | None = None, dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
-           sage: bool = True) -> dict[str, float]:
-    """Build or fetch everything TRTLLM_ATTN needs on ``device`` (default: the current CUDA device), now.
-
-    Hopper: JIT-compiles FlashInfer's FMHAv2 module for each dtype (dense and Skip-Softmax kernels are one
-    module; about 90 s the first time on a machine, a load afterwards). Blackwell: loads the trtllm-gen module
-    and its cubins (downloaded on first use; see :class:`CubinUnavailableError`) with one small dense call,
-    and with ``sage`` one SAGE call per Q/K dtype the GPU has kernels for. Returns seconds per step.
-    """
-    from ..backends import trtllm
-    from ..backends.base import KernelPlan, VarlenQKV
-    from ..platform import gpu_arch
-
-    device = _canonical(device if device is not None else "cuda")
-    arch = gpu_arch(device)
-    timings: dict[str, float] = {}
-    for dtype in dtypes:
-        if dtype not in trtllm.SUPPORTED_DTYPES:
-            raise ValueError(f"warmup dtype {dtype} is not supported by TRTLLM_ATTN; supported: "
-                             f"{list(trtllm.SUPPORTED_DTYPES)}")
-        plans = [KernelPlan(backend="TRTLLM_ATTN", scale=trtllm.HEAD_DIM ** -0.5)]
-        if sage and arch in trtllm.TRTLLM_GEN_ARCHS:
-            plans += [KernelPlan(backend="TRTLLM_ATTN", scale=trtllm.HEAD_DIM ** -0.5, quant=quant)
-                      for quant in trtllm.sage_specs_with_kernels(arch)]
-        qkv = VarlenQKV(*(torch.zeros(256, 1, trtllm.HEAD_DIM, dtype=dtype, device=device) for _ in range(3)),
-                        (256,), (256,))
-        for plan in plans:
-            reason = trtllm.unavailable_reason(plan, qkv)
-            if reason is not None:
-                raise RuntimeError(f"TRTLLM_ATTN cannot warm up on {device}: {reason}")
-            step = f"{arch} {dtype}" + (f" sage {plan.quant.dtype_qk}" if plan.quant else "")
-            logger.info("TRTLLM_ATTN warm-up: %s", step)
-            start = time.perf_counter()
-            trtllm.run(qkv, plan)
-            torch.cuda.synchronize(device)
-            timings[step] = time.perf_counter() - start
-    return timings

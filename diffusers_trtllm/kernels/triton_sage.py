@@ -40,9 +40,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends.base import KernelPlan, KernelResult, VarlenQKV
-from ..config import AttnQuantSpec
-from ..quant import FP8_MAX, INT8_MAX, P_SCALE
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+P_SCALE = FP8_MAX  # P in [0, 1] enters P·V as fp8(P * 448)
 
 try:
     import triton
@@ -125,6 +125,26 @@ class SageQuantized(NamedTuple):
     k_block: int
 
 
+class QuantizeTargets(NamedTuple):
+    """Where :func:`quantize_into` writes, for attention kernels with other layouts than :class:`SageQuantized`.
+
+    ``q`` ``[Tq, Hq, D]`` / ``k`` ``[Tk, Hkv, D]`` (any row and head strides, channels contiguous) receive the
+    values. ``q_scale`` / ``k_scale``: ``[B, H, blocks]`` float32 when ``scales_by_sequence`` (sequence ``i``'s
+    block ``j`` at ``[i, h, j]``), else :class:`SageQuantized`'s packed ``[H, columns]``; ``k_scale`` is unused
+    with ``k_block`` 0. ``v``: ``[Tk, Hkv, D]`` fp8 (token and head strides) unless ``v_transposed``
+    (:class:`SageQuantized`'s ``v_t``). ``v_scale``: ``[B, Hkv, D]`` float32.
+    """
+
+    q: torch.Tensor
+    q_scale: torch.Tensor
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    scales_by_sequence: bool
+    v_transposed: bool
+
+
 def scale_columns(tokens: int, batch: int, block: int) -> int:
     """Columns of a block-scale tensor for ``tokens`` packed tokens in ``batch`` sequences."""
     return -(-tokens // block) + batch - 1
@@ -135,139 +155,172 @@ def v_columns(tokens: int, batch: int) -> int:
     return V_TOKEN_ALIGN * (-(-tokens // V_TOKEN_ALIGN) + batch)
 
 
-def _qk_torch_dtype(quant: AttnQuantSpec) -> torch.dtype:
-    return torch.int8 if quant.dtype_qk == "int8" else torch.float8_e4m3fn
+def qk_torch_dtype(dtype_qk: str) -> torch.dtype:
+    return torch.int8 if dtype_qk == "int8" else torch.float8_e4m3fn
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_sage_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-    """``None`` when :func:`triton_sage_attention` can run ``plan`` on ``qkv`` here, else a sentence saying why.
+def triton_sage_unavailable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                                   skip_tile: tuple[int, int] | None = None) -> str | None:
+    """``None`` when :func:`triton_sage_attention` can run on these tensors here, else a sentence saying why.
 
     Needs: Triton importable; a CUDA device of compute capability 8.9 or newer (fp8 tensor cores; only sm_90 was
-    measured), or ``TRITON_INTERPRET=1`` for CPU tensors; ``plan.quant`` set; non-causal; head_dim 128;
-    bf16/fp16 q, k, v; with skipping, ``plan.tile`` sides that are powers of two from 16 to 128.
+    measured), or ``TRITON_INTERPRET=1`` for CPU tensors; non-causal; head_dim 128; bf16/fp16 q, k, v; a skip
+    tile (when skipping) with sides that are powers of two from 16 to 128.
     """
     if triton is None:
         return "the Triton SAGE kernel needs Triton, which is not installed (it ships with CUDA builds of PyTorch)"
-    if plan.quant is None or not plan.quant.enabled:
-        return "the Triton SAGE kernel runs quantized (SAGE) attention only, and plan.quant is not set"
-    if plan.causal:
+    if causal:
         return "the Triton SAGE kernel implements non-causal attention only"
-    if qkv.head_dim != HEAD_DIM or qkv.v.shape[-1] != HEAD_DIM:
-        return f"the Triton SAGE kernel needs head_dim {HEAD_DIM}; got {qkv.head_dim}"
-    dtypes = {qkv.q.dtype, qkv.k.dtype, qkv.v.dtype}
-    if len(dtypes) != 1 or qkv.q.dtype not in (torch.bfloat16, torch.float16):
+    if q.shape[-1] != HEAD_DIM or k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+        return f"the Triton SAGE kernel needs head_dim {HEAD_DIM}; got {q.shape[-1]}"
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if len(dtypes) != 1 or q.dtype not in (torch.bfloat16, torch.float16):
         return f"the Triton SAGE kernel takes bf16 or fp16 q, k, v of one dtype; got {sorted(map(str, dtypes))}"
-    device = qkv.q.device
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
+    if skip_tile is not None and not all(side in (16, 32, 64, 128) for side in skip_tile):
+        return f"the Triton SAGE kernel decides skips on tiles with sides 16, 32, 64 or 128; the skip tile is {skip_tile}"
+    if q.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(q.device)
         if (major, minor) < (8, 9):
             return (f"the Triton SAGE kernel needs fp8 tensor cores (sm_89 or newer); this GPU is "
                     f"sm_{major}{minor}")
     elif not _interpreting():
-        return f"the Triton SAGE kernel runs on CUDA GPUs (or on the CPU under TRITON_INTERPRET=1); q is on {device}"
-    if plan.skips and not all(side in (16, 32, 64, 128) for side in plan.tile):
-        return f"the Triton SAGE kernel decides skips on tiles with sides 16, 32, 64 or 128; plan.tile is {plan.tile}"
+        return f"the Triton SAGE kernel runs on CUDA GPUs (or on the CPU under TRITON_INTERPRET=1); q is on {q.device}"
     return None
 
 
-def sage_quantize(qkv: VarlenQKV, quant: AttnQuantSpec) -> SageQuantized:
-    """Quantize a packed batch for SAGE attention in two Triton launches (a K-sum/V-amax reduction, then one
-    pass over Q, K and V). Layouts: :class:`SageQuantized`; semantics: :mod:`diffusers_trtllm.quant`.
+def quantize_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, targets: QuantizeTargets, *,
+                  dtype_qk: str, q_block: int, k_block: int) -> None:
+    """Quantize a packed batch for SAGE into ``targets`` in two Triton launches (a K-sum/V-amax reduction, then one
+    pass over Q, K and V). Semantics: :mod:`diffusers_trtllm.quant` per sequence, Q/K blocks of ``q_block`` /
+    ``k_block`` tokens from each sequence's start (``k_block`` 0: one K scale per sequence and head, multiplied
+    into Q's scales).
 
-    ``qkv.q``: ``[Tq, Hq, 128]``, ``qkv.k``/``qkv.v``: ``[Tk, Hkv, 128]``, any float dtype, last dim contiguous.
+    ``q``: ``[Tq, Hq, 128]``, ``k``/``v``: ``[Tk, Hkv, 128]``, any float dtype, channels contiguous;
+    ``cu_seqlens_*``: ``[B + 1]`` int32 on their device. GPUs: sm_89 and newer (or the Triton interpreter).
     """
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (qkv.q, qkv.k, qkv.v))
-    batch, heads_q, heads_kv = qkv.batch_size, q.shape[1], k.shape[1]
+    batch, heads_q, heads_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
     device = q.device
-    value_dtype = _qk_torch_dtype(quant)
-    cu_q, cu_kv = qkv.cu_seqlens("q"), qkv.cu_seqlens("kv")
-
-    k_sum = torch.zeros(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
-    v_amax = torch.zeros(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
-    kv_chunks = -(-qkv.max_seqlen_kv // STATS_TOKENS)
+    tokens = max(STATS_TOKENS, q_block, k_block)
+    stats = [torch.zeros(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device) for _ in range(2)]
+    k_range = [torch.full((batch, heads_kv, HEAD_DIM), fill, dtype=torch.float32, device=device)
+               for fill in (-math.inf, math.inf)] if k_block == 0 else [stats[0], stats[0]]
+    k_sum, v_amax = stats
+    kv_chunks = -(-max_seqlen_kv // tokens)
     _kv_stats_kernel[(kv_chunks, heads_kv, batch)](
-        k, v, k_sum, v_amax, cu_kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        TOKENS=STATS_TOKENS, HEAD_DIM=HEAD_DIM)
+        k, v, k_sum, *k_range, v_amax, cu_seqlens_kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        TOKENS=tokens, HEAD_DIM=HEAD_DIM, K_RANGE=k_block == 0)
+    q_chunks = -(-max_seqlen_q // tokens)
+    seq_stride = (lambda t: t.stride(0)) if targets.scales_by_sequence else (lambda t: 0)
+    head_stride = (lambda t: t.stride(1)) if targets.scales_by_sequence else (lambda t: t.stride(0))
+    k_scale = targets.q_scale if k_block == 0 else targets.k_scale
+    _sage_quantize_kernel[(q_chunks + kv_chunks, max(heads_q, heads_kv), batch)](
+        q, k, v, k_sum, *k_range, v_amax, cu_seqlens_q, cu_seqlens_kv,
+        targets.q, targets.q_scale, targets.k, k_scale, targets.v, targets.v_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        targets.q.stride(0), targets.q.stride(1), targets.k.stride(0), targets.k.stride(1),
+        targets.v.stride(0), targets.v.stride(1), head_stride(targets.q_scale), seq_stride(targets.q_scale),
+        head_stride(k_scale), seq_stride(k_scale), q_chunks, heads_q, heads_kv,
+        QMAX=INT8_MAX if dtype_qk == "int8" else FP8_MAX, QK_INT8=dtype_qk == "int8",
+        Q_BLOCK=q_block, K_BLOCK=k_block, SCALES_BY_SEQUENCE=targets.scales_by_sequence,
+        V_TRANSPOSED=targets.v_transposed, TOKENS=tokens, HEAD_DIM=HEAD_DIM, num_warps=4 if tokens <= 64 else 8)
 
+
+def sage_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, dtype_qk: str,
+                  q_block: int, k_block: int) -> SageQuantized:
+    """Quantize a packed batch into the attention kernel's layouts (:class:`SageQuantized`) with
+    :func:`quantize_into`. ``q_block`` / ``k_block``: 1, 4 or 16 tokens."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    batch, heads_q, heads_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
+    device = q.device
+    value_dtype = qk_torch_dtype(dtype_qk)
     out = SageQuantized(
         q=torch.empty(q.shape, dtype=value_dtype, device=device),
-        q_scale=torch.empty(heads_q, scale_columns(q.shape[0], batch, quant.q_block_size), dtype=torch.float32,
-                            device=device),
+        q_scale=torch.empty(heads_q, scale_columns(q.shape[0], batch, q_block), dtype=torch.float32, device=device),
         k=torch.empty(k.shape, dtype=value_dtype, device=device),
-        k_scale=torch.empty(heads_kv, scale_columns(k.shape[0], batch, quant.k_block_size), dtype=torch.float32,
-                            device=device),
-        v_t=torch.empty(heads_kv, HEAD_DIM, v_columns(k.shape[0], batch), dtype=torch.float8_e4m3fn,
-                        device=device),
+        k_scale=torch.empty(heads_kv, scale_columns(k.shape[0], batch, k_block), dtype=torch.float32, device=device),
+        v_t=torch.empty(heads_kv, HEAD_DIM, v_columns(k.shape[0], batch), dtype=torch.float8_e4m3fn, device=device),
         v_scale=torch.empty(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device),
-        q_block=quant.q_block_size, k_block=quant.k_block_size)
-    q_chunks = -(-qkv.max_seqlen_q // STATS_TOKENS)
-    _sage_quantize_kernel[(q_chunks + kv_chunks, max(heads_q, heads_kv), batch)](
-        q, k, v, k_sum, v_amax, cu_q, cu_kv,
-        out.q, out.q_scale, out.k, out.k_scale, out.v_t, out.v_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.q_scale.stride(0), out.k_scale.stride(0), out.v_t.stride(0), out.v_t.stride(1),
-        q_chunks, heads_q, heads_kv,
-        QMAX=INT8_MAX if quant.dtype_qk == "int8" else FP8_MAX, QK_INT8=quant.dtype_qk == "int8",
-        Q_BLOCK=quant.q_block_size, K_BLOCK=quant.k_block_size, TOKENS=STATS_TOKENS, HEAD_DIM=HEAD_DIM)
+        q_block=q_block, k_block=k_block)
+    quantize_into(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                  QuantizeTargets(out.q, out.q_scale, out.k, out.k_scale, out.v_t, out.v_scale,
+                                  scales_by_sequence=False, v_transposed=True),
+                  dtype_qk=dtype_qk, q_block=q_block, k_block=k_block)
     return out
 
 
-def sage_attention_quantized(qkv: VarlenQKV, quantized: SageQuantized, plan: KernelPlan,
-                             launch: AttentionLaunch | None = None) -> KernelResult:
-    """Attention over already-quantized Q, K, V (from :func:`sage_quantize` of the same ``qkv``).
+def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
+                             seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], scale: float, *,
+                             out_dtype: torch.dtype = torch.bfloat16, skip_factor: float = 0.0,
+                             skip_tile: tuple[int, int] = (128, 128), count_skips: bool = False,
+                             launch: AttentionLaunch | None = None):
+    """Attention over already-quantized Q, K, V (from :func:`sage_quantize` of the same batch).
 
-    ``qkv`` supplies the lengths, the output shape ``[Tq, Hq, 128]`` and dtype (q's: bf16 or fp16). ``launch``
-    overrides the tile shape and schedule; with skipping its tile must equal ``plan.tile``. Skipped tiles are
-    counted (an int32 atomic per program) only when ``plan.count_skips``.
+    ``seqlens_q`` / ``seqlens_kv``: per-sequence lengths (host ints; they size the launch and the tile count).
+    Returns ``(out [Tq, Hq, 128] out_dtype, skipped, total)``: with ``count_skips`` and skipping, 0-dim int64
+    device tensors counting (head, query tile, KV tile) triples of ``skip_tile`` (no host sync); else ``None``.
+    Skipping (``skip_factor > 0``, λ_i = skip_factor / kv_len_i) decides per kernel tile, which is
+    ``skip_tile``; ``launch`` overrides the tile shape and schedule (with skipping its tile must equal
+    ``skip_tile``).
     """
+    skips = skip_factor > 0.0
     if launch is None:
-        launch = skip_launch(plan.tile) if plan.skips else DENSE_LAUNCH
-    if plan.skips and (launch.block_m, launch.block_n) != tuple(plan.tile):
+        launch = skip_launch(skip_tile) if skips else DENSE_LAUNCH
+    if skips and (launch.block_m, launch.block_n) != tuple(skip_tile):
         raise ValueError(f"skip decisions are made per kernel tile: launch tile {launch.block_m}x{launch.block_n} "
-                         f"must equal plan.tile {plan.tile}")
-    q = qkv.q
-    batch, heads_q, heads_kv = qkv.batch_size, q.shape[1], qkv.k.shape[1]
-    out = torch.empty_like(q)
-    count = plan.count_skips and plan.skips
+                         f"must equal the skip tile {skip_tile}")
+    q = quantized.q
+    batch, heads_q, heads_kv = len(seqlens_q), q.shape[1], quantized.k.shape[1]
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    count = count_skips and skips
     skipped = torch.zeros((), dtype=torch.int32, device=q.device)
-    grid = (-(-qkv.max_seqlen_q // launch.block_m), heads_q, batch)
+    grid = (-(-max(seqlens_q) // launch.block_m), heads_q, batch)
     _sage_attention_kernel[grid](
         quantized.q, quantized.k, quantized.v_t, quantized.q_scale, quantized.k_scale, quantized.v_scale,
-        out, skipped, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"),
+        out, skipped, cu_seqlens_q, cu_seqlens_kv,
         quantized.q.stride(0), quantized.q.stride(1), quantized.k.stride(0), quantized.k.stride(1),
         quantized.v_t.stride(0), quantized.v_t.stride(1), out.stride(0), out.stride(1),
         quantized.q_scale.stride(0), quantized.k_scale.stride(0),
         quantized.q_block.bit_length() - 1, quantized.k_block.bit_length() - 1,
-        plan.scale * LOG2E, plan.skip_factor, heads_q // heads_kv, heads_kv,
+        scale * LOG2E, skip_factor, heads_q // heads_kv, heads_kv,
         QK_INT8=quantized.q.dtype == torch.int8,
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
-        SKIP=plan.skips, COUNT_SKIPS=count,
+        SKIP=skips, COUNT_SKIPS=count,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
-    if not plan.count_skips:
-        return KernelResult(out)
-    tq, tk = plan.tile  # the reference's count, also when a dense launch used another tile
-    total = heads_q * sum(-(-nq // tq) * -(-nkv // tk) for nq, nkv in zip(qkv.seqlens_q, qkv.seqlens_kv))
-    return KernelResult(out, skipped.to(torch.int64), torch.tensor(total, dtype=torch.int64, device=q.device))
+    if not count_skips:
+        return out, None, None
+    tq, tk = skip_tile  # the reference's count, also when a dense launch used another tile
+    total = heads_q * sum(-(-nq // tq) * -(-nkv // tk) for nq, nkv in zip(seqlens_q, seqlens_kv))
+    return out, skipped.to(torch.int64), torch.tensor(total, dtype=torch.int64, device=q.device)
 
 
-def triton_sage_attention(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
-    """SAGE attention (with Skip-Softmax when ``plan.skip_factor > 0``) on a packed batch.
+def triton_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_kv: torch.Tensor, seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...],
+                          scale: float, *, dtype_qk: str = "int8", q_block: int = 1, k_block: int = 16,
+                          skip_factor: float = 0.0, skip_tile: tuple[int, int] = (128, 128),
+                          count_skips: bool = False):
+    """SAGE attention (with Skip-Softmax when ``skip_factor > 0``) on a packed batch.
 
-    ``qkv.q``: ``[Tq, Hq, 128]``, ``qkv.k``/``qkv.v``: ``[Tk, Hkv, 128]``, bf16 or fp16, ragged (FlashInfer
-    layout, sequences delimited by ``qkv.cu_seqlens``), ``Hq % Hkv == 0`` (GQA). Returns a
-    :class:`KernelResult` with ``out`` ``[Tq, Hq, 128]`` in q's dtype and, when ``plan.count_skips``, the
-    skipped and total (head, query tile, KV tile) counts as 0-dim int64 device tensors (no host sync).
-    GPUs: sm_89 and newer with Triton (measured on sm_90 only). Raises ``ValueError`` with the reason when
-    :func:`triton_sage_unavailable_reason` is not ``None``.
+    ``q``: ``[Tq, Hq, 128]``, ``k``/``v``: ``[Tk, Hkv, 128]``, bf16 or fp16, ragged (FlashInfer layout, sequence
+    ``i`` owning rows ``cu_seqlens[i]:cu_seqlens[i + 1]``; ``cu_seqlens_*`` ``[B + 1]`` int32 on the tensors'
+    device, ``seqlens_*`` the same lengths as host ints), ``Hq % Hkv == 0`` (GQA). ``dtype_qk``: ``"int8"`` or
+    ``"fp8_e4m3"``; ``q_block`` / ``k_block``: 1, 4 or 16 tokens. Returns ``(out [Tq, Hq, 128] in q's dtype,
+    skipped, total)`` as :func:`sage_attention_quantized`. GPUs: sm_89 and newer with Triton (measured on sm_90
+    only). Raises ``ValueError`` with the reason when :func:`triton_sage_unavailable_reason` is not ``None``.
     """
-    reason = triton_sage_unavailable_reason(plan, qkv)
+    reason = triton_sage_unavailable_reason(q, k, v, skip_tile=skip_tile if skip_factor > 0.0 else None)
     if reason is not None:
         raise ValueError(reason)
-    return sage_attention_quantized(qkv, sage_quantize(qkv, plan.quant), plan)
+    quantized = sage_quantize(q, k, v, cu_seqlens_q, cu_seqlens_kv, max(seqlens_q), max(seqlens_kv),
+                              dtype_qk=dtype_qk, q_block=q_block, k_block=k_block)
+    return sage_attention_quantized(quantized, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, scale,
+                                    out_dtype=q.dtype, skip_factor=skip_factor, skip_tile=skip_tile,
+                                    count_skips=count_skips)
 
 
 @_jit
@@ -277,10 +330,11 @@ def _round_half_even(x):
 
 
 @_jit
-def _kv_stats_kernel(k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_kv_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                     TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _kv_stats_kernel(k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, v_amax_ptr, cu_kv_ptr, stride_kt, stride_kh,
+                     stride_vt, stride_vh, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, K_RANGE: tl.constexpr):
     """Per (sequence, kv head): add this chunk's column sums of K into k_sum and its column max of |V| into
-    v_amax ([B, Hkv, D] float32, zero-initialised)."""
+    v_amax ([B, Hkv, D] float32, zero-initialised); with K_RANGE also K's column max and min (k_max / k_min,
+    initialised to -inf / +inf), from which the quantizer gets one smoothed-K scale per sequence and head."""
     chunk, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_kv_ptr + seq)
     length = tl.load(cu_kv_ptr + seq + 1) - start
@@ -295,6 +349,9 @@ def _kv_stats_kernel(k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_kv_ptr, stride_kt, 
     stats = (seq * tl.num_programs(1) + head) * HEAD_DIM + dims
     tl.atomic_add(k_sum_ptr + stats, tl.sum(k, 0))
     tl.atomic_max(v_amax_ptr + stats, tl.max(tl.abs(v), 0))
+    if K_RANGE:
+        tl.atomic_max(k_max_ptr + stats, tl.max(tl.where(valid, k, float("-inf")), 0))
+        tl.atomic_min(k_min_ptr + stats, tl.min(tl.where(valid, k, float("inf")), 0))
 
 
 @_jit
@@ -305,19 +362,32 @@ def _quantize_token_blocks(x, QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: 
     block_amax = tl.max(tl.reshape(tl.max(tl.abs(x), 1), (TOKENS // BLOCK, BLOCK)), 1)
     scales = tl.math.div_rn(tl.maximum(block_amax, _TINY_SCALE), QMAX)
     token_scales = tl.reshape(tl.broadcast_to(scales[:, None], (TOKENS // BLOCK, BLOCK)), (TOKENS,))
-    scaled = tl.math.div_rn(x, token_scales[:, None])
-    if IS_INT8:
-        values = tl.minimum(tl.maximum(_round_half_even(scaled), -QMAX), QMAX)
-    else:
-        values = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)  # the fp8 cast at the store rounds to nearest even
-    return values, scales
+    return _round_to_grid(tl.math.div_rn(x, token_scales[:, None]), QMAX, IS_INT8), scales
 
 
 @_jit
-def _store_token_blocks(x, values_ptr, scales_ptr, row_stride, head_offset, scale_offset, seq_start, first, length,
-                        QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-                        HEAD_DIM: tl.constexpr):
-    """Quantize one sequence's Q or K rows ``first : first + TOKENS`` and store values and block scales."""
+def _round_to_grid(scaled, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
+    if IS_INT8:
+        return tl.minimum(tl.maximum(_round_half_even(scaled), -QMAX), QMAX)
+    return tl.minimum(tl.maximum(scaled, -QMAX), QMAX)  # the fp8 cast at the store rounds to nearest even
+
+
+@_jit
+def _block_scale_offset(seq, start, head, head_stride, seq_stride, BLOCK: tl.constexpr,
+                        SCALES_BY_SEQUENCE: tl.constexpr):
+    """Where (seq, head)'s first block scale lives: ``seq * seq_stride + head * head_stride`` in the
+    ``[B, H, blocks]`` layout, ``head * head_stride + start // BLOCK + seq`` in the packed ``[H, columns]`` one."""
+    if SCALES_BY_SEQUENCE:
+        return seq.to(tl.int64) * seq_stride + head * head_stride
+    return head * head_stride + start // BLOCK + seq
+
+
+@_jit
+def _store_token_blocks(x, values_ptr, scales_ptr, row_stride, head_offset, scale_offset, scale_factor, seq_start,
+                        first, length, QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr,
+                        TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Quantize one sequence's Q or K rows ``first : first + TOKENS`` and store values and block scales (times
+    ``scale_factor``)."""
     values, scales = _quantize_token_blocks(x, QMAX, IS_INT8, BLOCK, TOKENS)
     dims = tl.arange(0, HEAD_DIM)
     tokens = first + tl.arange(0, TOKENS)
@@ -325,19 +395,34 @@ def _store_token_blocks(x, values_ptr, scales_ptr, row_stride, head_offset, scal
     tl.store(values_ptr + rows * row_stride + head_offset + dims[None, :],
              values.to(values_ptr.dtype.element_ty), mask=(tokens < length)[:, None])
     blocks = first // BLOCK + tl.arange(0, TOKENS // BLOCK)
-    tl.store(scales_ptr + scale_offset + blocks, scales, mask=blocks * BLOCK < length)
+    tl.store(scales_ptr + scale_offset + blocks, scales * scale_factor, mask=blocks * BLOCK < length)
 
 
 @_jit
-def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_q_ptr, cu_kv_ptr,
-                          q_out_ptr, q_scale_ptr, k_out_ptr, k_scale_ptr, v_t_ptr, v_scale_ptr,
+def _sequence_k_scale(k_sum_ptr, k_max_ptr, k_min_ptr, stats, length, QMAX: tl.constexpr):
+    """One scale for a whole sequence's smoothed K of one head: max over channels and tokens of |k - mean|,
+    from the column sum, max and min, over QMAX; and the mean itself."""
+    k_mean = tl.math.div_rn(tl.load(k_sum_ptr + stats), length.to(tl.float32))
+    spread = tl.maximum(tl.load(k_max_ptr + stats) - k_mean, k_mean - tl.load(k_min_ptr + stats))
+    return tl.math.div_rn(tl.maximum(tl.max(spread, 0), _TINY_SCALE), QMAX), k_mean
+
+
+@_jit
+def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, v_amax_ptr, cu_q_ptr, cu_kv_ptr,
+                          q_out_ptr, q_scale_ptr, k_out_ptr, k_scale_ptr, v_out_ptr, v_scale_ptr,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          q_scale_stride, k_scale_stride, v_t_head_stride, v_t_dim_stride,
-                          q_chunks, heads_q, heads_kv,
+                          stride_q_out_t, stride_q_out_h, stride_k_out_t, stride_k_out_h, v_out_stride_0,
+                          v_out_stride_1, q_scale_head_stride, q_scale_seq_stride, k_scale_head_stride,
+                          k_scale_seq_stride, q_chunks, heads_q, heads_kv,
                           QMAX: tl.constexpr, QK_INT8: tl.constexpr, Q_BLOCK: tl.constexpr,
-                          K_BLOCK: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                          K_BLOCK: tl.constexpr, SCALES_BY_SEQUENCE: tl.constexpr, V_TRANSPOSED: tl.constexpr,
+                          TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One pass over Q, K, V: programs [0, q_chunks) quantize TOKENS query rows of one head, the rest quantize
-    TOKENS key/value rows of one kv head (K smoothed by k_sum / length; V by v_amax / 448)."""
+    TOKENS key/value rows of one kv head (K smoothed by k_sum / length; V by v_amax / 448).
+
+    K_BLOCK 0: one K scale per sequence and head (from the K range statistics), folded into Q's block scales;
+    no K scales are stored. V_TRANSPOSED: V goes to the attention kernel's ``[Hkv, D, columns]`` layout (strides
+    0/1: head/channel), else to ``[tokens, Hkv, D]`` (strides 0/1: token/head)."""
     chunk, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dims = tl.arange(0, HEAD_DIM)
     if chunk < q_chunks:
@@ -349,9 +434,17 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_q_ptr, 
         rows = (start + tokens).to(tl.int64)[:, None]
         q = tl.load(q_ptr + rows * stride_qt + head * stride_qh + dims[None, :], mask=(tokens < length)[:, None],
                     other=0.0).to(tl.float32)
-        _store_token_blocks(q, q_out_ptr, q_scale_ptr, stride_qt, head * stride_qh,
-                            head * q_scale_stride + start // Q_BLOCK + seq, start, chunk * TOKENS, length,
-                            QMAX, QK_INT8, Q_BLOCK, TOKENS, HEAD_DIM)
+        if K_BLOCK == 0:
+            kv_head = head // (heads_q // heads_kv)
+            kv_length = tl.load(cu_kv_ptr + seq + 1) - tl.load(cu_kv_ptr + seq)
+            k_scale, _ = _sequence_k_scale(k_sum_ptr, k_max_ptr, k_min_ptr, (seq * heads_kv + kv_head) * HEAD_DIM
+                                           + dims, kv_length, QMAX)
+        else:
+            k_scale = 1.0
+        _store_token_blocks(q, q_out_ptr, q_scale_ptr, stride_q_out_t, head * stride_q_out_h,
+                            _block_scale_offset(seq, start, head, q_scale_head_stride, q_scale_seq_stride, Q_BLOCK,
+                                                SCALES_BY_SEQUENCE),
+                            k_scale, start, chunk * TOKENS, length, QMAX, QK_INT8, Q_BLOCK, TOKENS, HEAD_DIM)
     else:
         chunk -= q_chunks
         start = tl.load(cu_kv_ptr + seq)
@@ -362,24 +455,36 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, v_amax_ptr, cu_q_ptr, 
         valid = (tokens < length)[:, None]
         rows = (start + tokens).to(tl.int64)[:, None]
         stats = (seq * heads_kv + head) * HEAD_DIM + dims
-        k_mean = tl.math.div_rn(tl.load(k_sum_ptr + stats), length.to(tl.float32))
         k = tl.load(k_ptr + rows * stride_kt + head * stride_kh + dims[None, :], mask=valid, other=0.0)
-        k = tl.where(valid, k.to(tl.float32) - k_mean[None, :], 0.0)
-        _store_token_blocks(k, k_out_ptr, k_scale_ptr, stride_kt, head * stride_kh,
-                            head * k_scale_stride + start // K_BLOCK + seq, start, chunk * TOKENS, length,
-                            QMAX, QK_INT8, K_BLOCK, TOKENS, HEAD_DIM)
+        if K_BLOCK == 0:
+            k_scale, k_mean = _sequence_k_scale(k_sum_ptr, k_max_ptr, k_min_ptr, stats, length, QMAX)
+            k = tl.where(valid, k.to(tl.float32) - k_mean[None, :], 0.0)
+            tl.store(k_out_ptr + rows * stride_k_out_t + head * stride_k_out_h + dims[None, :],
+                     _round_to_grid(tl.math.div_rn(k, k_scale), QMAX, QK_INT8).to(k_out_ptr.dtype.element_ty),
+                     mask=valid)
+        else:
+            k_mean = tl.math.div_rn(tl.load(k_sum_ptr + stats), length.to(tl.float32))
+            k = tl.where(valid, k.to(tl.float32) - k_mean[None, :], 0.0)
+            _store_token_blocks(k, k_out_ptr, k_scale_ptr, stride_k_out_t, head * stride_k_out_h,
+                                _block_scale_offset(seq, start, head, k_scale_head_stride, k_scale_seq_stride,
+                                                    K_BLOCK, SCALES_BY_SEQUENCE),
+                                1.0, start, chunk * TOKENS, length, QMAX, QK_INT8, K_BLOCK, TOKENS, HEAD_DIM)
         v_scale = tl.math.div_rn(tl.maximum(tl.load(v_amax_ptr + stats), _TINY_SCALE), _FP8_MAX)
         if chunk == 0:
             tl.store(v_scale_ptr + stats, v_scale)
         v = tl.load(v_ptr + rows * stride_vt + head * stride_vh + dims[None, :], mask=valid, other=0.0)
         v = tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), v_scale[None, :]), -_FP8_MAX), _FP8_MAX)
-        # Zeros (from the masked load) fill the sequence's columns up to the next multiple of 16: the attention
-        # kernel reads V^T in 16-byte vectors masked at that multiple.
-        v_start = _V_TOKEN_ALIGN * ((start + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN + seq)
-        padded_length = (length + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN * _V_TOKEN_ALIGN
-        v_t_head = v_t_ptr + head.to(tl.int64) * v_t_head_stride
-        tl.store(v_t_head + dims[None, :] * v_t_dim_stride + (v_start + tokens)[:, None], v.to(tl.float8e4nv),
-                 mask=(tokens < padded_length)[:, None])
+        if V_TRANSPOSED:
+            # Zeros (from the masked load) fill the sequence's columns up to the next multiple of 16: the
+            # attention kernel reads V^T in 16-byte vectors masked at that multiple.
+            v_start = _V_TOKEN_ALIGN * ((start + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN + seq)
+            padded_length = (length + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN * _V_TOKEN_ALIGN
+            v_t_head = v_out_ptr + head.to(tl.int64) * v_out_stride_0
+            tl.store(v_t_head + dims[None, :] * v_out_stride_1 + (v_start + tokens)[:, None],
+                     v.to(tl.float8e4nv), mask=(tokens < padded_length)[:, None])
+        else:
+            tl.store(v_out_ptr + rows * v_out_stride_0 + head * v_out_stride_1 + dims[None, :],
+                     v.to(tl.float8e4nv), mask=valid)
 
 
 @_jit

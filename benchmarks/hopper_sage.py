@@ -1,0 +1,265 @@
+"""Hopper SAGE at FP8 speed (issue 11): TRT-LLM FMHAv2's warp-specialized SAGE kernel against cuDNN SDPA, FMHAv2
+bf16 and this package's Triton SAGE kernel, in one process on one H200.
+
+1. Build: the FMHAv2 SAGE module (``kernels.fmha_v2_sage``) and FlashInfer's FMHAv2 bf16 module, concurrently.
+2. Accuracy at small shapes (ragged batch, GQA): every compiled (K block, KV step) against the reference of its
+   semantics (``backends.reference`` with FMHAv2's blocks, P·256, 64 × kv_step skip tiles) and against exact
+   float32 attention, dense and with Skip-Softmax.
+3. Speed at Wan 2.2's self-attention shape (75,600 tokens × 40 heads × 128, batch 1, random N(0, 1) data),
+   quantization included: cuDNN SDPA, FMHAv2 bf16, FMHAv2 SAGE fp8 for each kernel, Triton SAGE fp8 / int8, and
+   FlashAttention-4 when importable. TFLOP/s counts 4·S²·D·H. Error vs float32 exact attention on two heads.
+4. Skip-Softmax on data that follows NVIDIA's published Wan 2.2 curve (benchmarks/data.py ``published_curve``)
+   at s = 0.3, 0.5, 0.65, 0.75: the reference's sparsity (128 × 128 and the FMHAv2 SAGE tiles), time and ×cuDNN of
+   FMHAv2 bf16 + skip, Triton SAGE + skip and FMHAv2 SAGE + skip, error vs each one's own dense output.
+
+    python benchmarks/hopper_sage.py          # writes $OUT/hopper_sage.json (or ./ without $OUT)
+    python benchmarks/hopper_sage.py --quick  # small shapes only (a check of the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.data import published_curve_qkv, random_qkv, skip_factor  # noqa: E402
+from diffusers_trtllm.backends.reference import reference_attention  # noqa: E402
+from diffusers_trtllm.kernels import fmha_v2_sage, flashinfer_fmha, triton_sage  # noqa: E402
+from diffusers_trtllm.quant import SageSemantics  # noqa: E402
+
+OUT = os.environ.get("OUT", ".")
+SCALE = 128 ** -0.5
+SPARSITIES = (0.3, 0.5, 0.65, 0.75)
+ERROR_HEADS = 2  # heads compared against float32 attention at the Wan shape
+results: dict = {"rows": []}
+
+
+def log(section: str, **row) -> None:
+    row["section"] = section
+    results["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    with open(os.path.join(OUT, "hopper_sage.json"), "w") as f:  # rewritten each row: a timeout keeps the rest
+        json.dump(results, f, indent=1)
+
+
+def bench_ms(fn, iters: int = 5) -> float:
+    """Median of ``iters`` timed calls after two warm-up calls (one Wan-shape call is 100-200 ms)."""
+    fn()
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def tflops(seq: int, heads: int, ms: float) -> float:
+    return 4 * seq * seq * 128 * heads / ms / 1e9
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def sdpa(q, k, v, backend=SDPBackend.CUDNN_ATTENTION) -> torch.Tensor:
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), scale=SCALE)
+    return out[0].transpose(0, 1)
+
+
+def exact(q, k, v) -> torch.Tensor:
+    """Float32 attention (``[S, H, D]``), head by head."""
+    return torch.cat([sdpa(q[:, h:h + 1].float(), k[:, h:h + 1].float(), v[:, h:h + 1].float(),
+                           SDPBackend.EFFICIENT_ATTENTION) for h in range(q.shape[1])], dim=1)
+
+
+def fmha_semantics(kernel) -> SageSemantics:
+    return SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, kernel.k_block, p_scale=fmha_v2_sage.P_SCALE)
+
+
+def cu(lengths, device="cuda") -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def fmha_sage(q, k, v, lengths, kernel, factor=0.0):
+    return fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu(lengths), tuple(lengths), SCALE, k_block=kernel.k_block,
+                                               kv_step=kernel.kv_step, skip_factor=factor)
+
+
+def triton(q, k, v, dtype_qk, factor=0.0):
+    s = q.shape[0]
+    out, _, _ = triton_sage.triton_sage_attention(q, k, v, cu([s]), cu([s]), (s,), (s,), SCALE, dtype_qk=dtype_qk,
+                                                  skip_factor=factor)
+    return out
+
+
+def fmha_bf16(q, k, v, factor=0.0):
+    s = q.shape[0]
+    return flashinfer_fmha.fmha_v2_attention(q, k, v, (s,), (s,), SCALE, factor)
+
+
+def build() -> None:
+    timings, errors = {}, {}
+
+    def timed(name, fn):
+        start = time.perf_counter()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - reported, the rest of the run goes on
+            errors[name] = traceback.format_exc()[-3000:]
+        timings[name] = round(time.perf_counter() - start, 1)
+
+    threads = [threading.Thread(target=timed, args=("fmha_v2_sage", fmha_v2_sage.load_module)),
+               threading.Thread(target=timed, args=("fmha_v2_bf16", lambda: flashinfer_fmha.flashinfer_prefill()
+                                                    .get_trtllm_fmha_v2_module("SEPARATE_Q_K_V", torch.bfloat16)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log("build", seconds=timings, errors=errors, kernels=len(fmha_v2_sage.sage_kernels()),
+        module=fmha_v2_sage.jit_spec().name)
+    if "fmha_v2_sage" in errors:
+        raise SystemExit("the FMHAv2 SAGE module did not build")
+
+
+def accuracy() -> None:
+    torch.manual_seed(0)
+    lengths, heads_q, heads_kv = (1000, 3001), 8, 2
+    q = torch.randn(sum(lengths), heads_q, 128, device="cuda").bfloat16()
+    k = (torch.randn(sum(lengths), heads_kv, 128, device="cuda") + torch.randn(1, heads_kv, 128, device="cuda"))
+    k = k.bfloat16()
+    v = torch.randn(sum(lengths), heads_kv, 128, device="cuda").bfloat16()
+    peaky = [x.clone() for x in (q, k, v)]
+    pos = torch.arange(sum(lengths), device="cuda", dtype=torch.float32)[:, None]
+    freqs = torch.logspace(-3, -0.5, 64, device="cuda")[None, :]
+    feature = torch.cat([torch.sin(pos * freqs), torch.cos(pos * freqs)], 1)[:, None]
+    peaky[0] = ((feature + 0.3 * torch.randn(sum(lengths), heads_q, 128, device="cuda")) * 2).bfloat16()
+    peaky[1] = ((feature + 0.3 * torch.randn(sum(lengths), heads_kv, 128, device="cuda")) * 2).bfloat16()
+    starts = cu(lengths).tolist()
+    for kernel in fmha_v2_sage.sage_kernels():
+        for name, (qq, kk, vv), factor in (("random", (q, k, v), 0.0), ("peaky", peaky, 0.0),
+                                           ("peaky", peaky, 300.0)):
+            if kernel.skip_softmax != (factor > 0):
+                continue
+            out = fmha_sage(qq, kk, vv, lengths, kernel, factor)
+            refs, exacts, skipped, total = [], [], 0, 0
+            for i, n in enumerate(lengths):
+                rows = slice(starts[i], starts[i] + n)
+                ref, s, t = reference_attention(qq[rows].float(), kk[rows].float(), vv[rows].float(), SCALE,
+                                                skip_lambda=factor / n, quant=fmha_semantics(kernel),
+                                                tile=fmha_v2_sage.skip_tile(kernel.kv_step), query_chunk=4096)
+                refs.append(ref)
+                exacts.append(reference_attention(qq[rows].float(), kk[rows].float(), vv[rows].float(), SCALE,
+                                                  query_chunk=4096)[0])
+                skipped, total = skipped + s, total + t
+            log("accuracy", data=name, k_block=kernel.k_block, kv_step=kernel.kv_step, skip_factor=factor,
+                finite=bool(torch.isfinite(out).all()), err_vs_same_semantics=rel_err(out, torch.cat(refs)),
+                err_vs_exact=rel_err(out, torch.cat(exacts)), ref_sparsity=skipped / total if factor else 0.0)
+
+
+def wan_speed(tokens: int, heads: int) -> dict:
+    q, k, v = random_qkv(tokens, heads)
+    ref = exact(q[:, :ERROR_HEADS], k[:, :ERROR_HEADS], v[:, :ERROR_HEADS])
+    err = lambda out: rel_err(out[:, :ERROR_HEADS], ref)  # noqa: E731
+    times = {}
+
+    def row(name, fn, **extra):
+        try:
+            ms = bench_ms(fn)
+            times[name] = ms
+            log("wan", kernel=name, ms=ms, tflops=tflops(tokens, heads, ms), x_cudnn=times["cuDNN SDPA"] / ms,
+                err_vs_fp32=err(fn()), **extra)
+        except Exception:  # noqa: BLE001
+            log("wan", kernel=name, error=traceback.format_exc()[-2000:])
+
+    row("cuDNN SDPA", lambda: sdpa(q, k, v))
+    row("FMHAv2 bf16", lambda: fmha_bf16(q, k, v))
+    for kernel in fmha_v2_sage.sage_kernels():
+        if not kernel.skip_softmax:
+            row(f"FMHAv2 SAGE fp8 k{kernel.k_block} step{kernel.kv_step}", lambda: fmha_sage(q, k, v, (tokens,), kernel),
+                k_block=kernel.k_block, kv_step=kernel.kv_step)
+    best = min((n for n in times if n.startswith("FMHAv2 SAGE")), key=times.get)
+    kernel = next(k for k in fmha_v2_sage.sage_kernels()
+                  if not k.skip_softmax and best == f"FMHAv2 SAGE fp8 k{k.k_block} step{k.kv_step}")
+    packed = fmha_v2_sage.sage_quantize_packed(q, k, v, cu([tokens]), tokens, kernel.k_block)
+    log("wan", kernel=f"{best}: quantization only", ms=bench_ms(
+        lambda: fmha_v2_sage.sage_quantize_packed(q, k, v, cu([tokens]), tokens, kernel.k_block)))
+    log("wan", kernel=f"{best}: attention only", ms=bench_ms(lambda: fmha_v2_sage.sage_attention_packed(
+        packed, cu([tokens]), (tokens,), heads, SCALE, 0.0, kernel.kv_step)))
+    for dtype in ("fp8_e4m3", "int8"):
+        row(f"Triton SAGE {dtype}", lambda: triton(q, k, v, dtype))
+    try:
+        from flash_attn.cute import flash_attn_func  # FlashAttention-4 (flash-attn-4, CuTe DSL)
+
+        row("FlashAttention-4 bf16", lambda: flash_attn_func(q[None], k[None], v[None], softmax_scale=SCALE)[0][0])
+    except ImportError as exc:
+        log("wan", kernel="FlashAttention-4 bf16", error=f"not importable: {exc}")
+    return times
+
+
+def skip_curve(tokens: int, heads: int, cudnn_ms: float) -> None:
+    q, k, v = published_curve_qkv(tokens, heads)
+    skip_kernels = [kr for kr in fmha_v2_sage.sage_kernels() if kr.skip_softmax and kr.k_block == 64]
+    dense = {"FMHAv2 bf16": fmha_bf16(q, k, v)[:, :ERROR_HEADS].float(),
+             "Triton SAGE int8": triton(q, k, v, "int8")[:, :ERROR_HEADS].float(),
+             "FMHAv2 SAGE fp8": fmha_sage(q, k, v, (tokens,), skip_kernels[0])[:, :ERROR_HEADS].float()}
+    cudnn_here = bench_ms(lambda: sdpa(q, k, v))
+    log("curve", kernel="cuDNN SDPA (this data)", ms=cudnn_here)
+    for s in SPARSITIES:
+        factor = skip_factor(s)
+        sparsity = {}
+        for tile in ((128, 128), *(fmha_v2_sage.skip_tile(kr.kv_step) for kr in skip_kernels)):
+            _, skipped, total = reference_attention(q[:, :ERROR_HEADS].float(), k[:, :ERROR_HEADS].float(),
+                                                    v[:, :ERROR_HEADS].float(), SCALE, skip_lambda=factor / tokens,
+                                                    tile=tile, query_chunk=8192)
+            sparsity[f"{tile[0]}x{tile[1]}"] = skipped / total
+        log("curve", s=s, factor=factor, reference_sparsity=sparsity)
+        runs = [("FMHAv2 bf16 + skip", "FMHAv2 bf16", lambda: fmha_bf16(q, k, v, factor)),
+                ("Triton SAGE int8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "int8", factor)),
+                ("Triton SAGE fp8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "fp8_e4m3", factor))]
+        runs += [(f"FMHAv2 SAGE fp8 k64 step{kr.kv_step} + skip", "FMHAv2 SAGE fp8",
+                  lambda kr=kr: fmha_sage(q, k, v, (tokens,), kr, factor)) for kr in skip_kernels]
+        for name, dense_name, fn in runs:
+            try:
+                ms = bench_ms(fn)
+                log("curve", s=s, kernel=name, ms=ms, x_cudnn=cudnn_ms / ms, x_cudnn_this_data=cudnn_here / ms,
+                    err_vs_own_dense=rel_err(fn()[:, :ERROR_HEADS], dense[dense_name]))
+            except Exception:  # noqa: BLE001
+                log("curve", s=s, kernel=name, error=traceback.format_exc()[-2000:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes only")
+    args = parser.parse_args()
+    tokens, heads = (8192, 8) if args.quick else (75600, 40)
+    import flashinfer
+
+    results["meta"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           flashinfer=flashinfer.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           shape=[tokens, heads, 128])
+    build()
+    accuracy()
+    times = wan_speed(tokens, heads)
+    skip_curve(tokens, heads, times["cuDNN SDPA"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+// diffusers-trtllm: host binding for TRT-LLM FMHAv2's warp-specialized SAGE kernels (sm_90, e4m3 Q/K/V, bf16 out).
+//
+// FlashInfer ships the kernels' sources and generator but its fmha_v2_run never fills `params.sage`; this file
+// does, for the kernels that diffusers_trtllm/kernels/fmha_v2_sage.py generates (padding mask, PACKED_QKV layout).
+// The generated header "sage_kernels.h" declares those kernels' launchers and `launch_sage_kernel`, which picks one
+// by (q block, k block, KV step, skip-softmax).
+
+#include <fused_multihead_attention.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "sage_kernels.h"
+#include "tvm_ffi_utils.h"
+
+namespace {
+
+uint32_t float_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+}  // namespace
+
+// qkv:          [total_tokens, heads_q + 2 * heads_kv, 128] float8_e4m3fn (Q heads, then K heads, then V heads)
+// out:          [total_tokens, heads_q, 128] bfloat16
+// q_scale:      [batch, heads_q, ceil(max_seqlen / q_block)] float32, block i of sequence b covers its tokens
+//               [i * q_block, (i + 1) * q_block)
+// k_scale:      [batch, heads_q, ceil(max_seqlen / k_block)] float32 (indexed by query head), or empty when k_block
+//               is 0 (the caller folded K's scale into q_scale)
+// cu_seqlens:   [batch + 1] int32 (queries and keys of a sequence are the same tokens)
+// tile_counter: [1] int32 scratch for the persistent scheduler, owned by the caller's stream
+void sage_attention(ffi::TensorView qkv, ffi::TensorView out, ffi::TensorView q_scale, ffi::TensorView k_scale,
+                    ffi::TensorView cu_seqlens, ffi::TensorView tile_counter, int64_t heads_q, int64_t heads_kv,
+                    int64_t max_seqlen, int64_t q_block, int64_t k_block, int64_t kv_step, double softmax_scale,
+                    double skip_softmax_threshold_scale_factor) {
+  TVM_FFI_ICHECK_EQ(qkv.dtype(), dl_float8_e4m3fn) << "qkv must be float8_e4m3fn";
+  TVM_FFI_ICHECK_EQ(out.dtype(), dl_bfloat16) << "out must be bfloat16";
+  TVM_FFI_ICHECK_EQ(q_scale.dtype(), dl_float32) << "q_scale must be float32";
+  TVM_FFI_ICHECK_EQ(cu_seqlens.dtype(), dl_int32) << "cu_seqlens must be int32";
+  TVM_FFI_ICHECK_EQ(qkv.ndim(), 3) << "qkv must be [tokens, heads_q + 2 * heads_kv, head_dim]";
+  TVM_FFI_ICHECK_EQ(qkv.shape()[1], heads_q + 2 * heads_kv) << "qkv's head count is not heads_q + 2 * heads_kv";
+  TVM_FFI_ICHECK_EQ(heads_q % heads_kv, 0) << "heads_q must be a multiple of heads_kv";
+  const int64_t head_dim = qkv.shape()[2];
+  const int64_t total_tokens = qkv.shape()[0];
+  const int64_t batch = cu_seqlens.shape()[0] - 1;
+
+  bert::Fused_multihead_attention_params_v2 params;
+  std::memset(&params, 0, sizeof(params));
+  params.qkv_ptr = qkv.data_ptr();
+  params.q_stride_in_bytes = params.k_stride_in_bytes = params.v_stride_in_bytes =
+      (heads_q + 2 * heads_kv) * head_dim;  // one byte per e4m3 element
+  params.o_ptr = out.data_ptr();
+  params.o_stride_in_bytes = heads_q * head_dim * 2;
+  params.b = static_cast<int>(batch);
+  params.h = static_cast<int>(heads_q);
+  params.h_kv = static_cast<int>(heads_kv);
+  params.h_q_per_kv = static_cast<int>(heads_q / heads_kv);
+  params.s = static_cast<int>(max_seqlen);
+  params.d = params.dv = static_cast<int>(head_dim);
+  params.num_grouped_heads = 1;
+  params.sliding_window_size = INT_MAX;
+  params.cu_q_seqlens = params.cu_kv_seqlens = static_cast<int*>(cu_seqlens.data_ptr());
+  // Warp-specialized kernels take the bmm1 scale in the log2 domain (they use exp2).
+  params.scale_bmm1 = float_bits(static_cast<float>(softmax_scale * M_LOG2E));
+  params.scale_softmax = float_bits(1.f);
+  params.scale_bmm2 = float_bits(1.f);  // V's per-channel scales are applied by the caller
+  params.is_uniform_q = total_tokens == batch * max_seqlen;
+  params.tile_id_counter_ptr = static_cast<uint32_t*>(tile_counter.data_ptr());
+  params.skip_softmax_threshold_scale_factor = static_cast<float>(skip_softmax_threshold_scale_factor);
+  params.sage.q.block_size = static_cast<int>(q_block);
+  params.sage.q.max_nblock = static_cast<int>((max_seqlen + q_block - 1) / q_block);
+  params.sage.q.scales = static_cast<float*>(q_scale.data_ptr());
+  if (k_block > 0) {
+    params.sage.k.block_size = static_cast<int>(k_block);
+    params.sage.k.max_nblock = static_cast<int>((max_seqlen + k_block - 1) / k_block);
+    params.sage.k.scales = static_cast<float*>(k_scale.data_ptr());
+  }
+
+  int device;
+  FMHA_CHECK_CUDA(cudaGetDevice(&device));
+  bert::Fused_multihead_attention_launch_params launch;
+  launch.flash_attention = true;
+  launch.warp_specialization = true;
+  launch.use_tma = true;
+  launch.force_fp32_acc = true;
+  launch.attention_mask_type = fmha::Attention_mask_type::PADDING;
+  launch.attention_input_layout = fmha::Attention_input_layout::PACKED_QKV;
+  launch.total_q_seqlen = static_cast<int>(total_tokens);
+  launch.total_kv_seqlen = static_cast<int>(batch * max_seqlen);
+  launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0;
+  FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.multi_processor_count, cudaDevAttrMultiProcessorCount, device));
+  FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.device_l2_cache_size, cudaDevAttrL2CacheSize, device));
+
+  cudaStream_t stream = get_stream(qkv.device());
+  TVM_FFI_ICHECK(launch_sage_kernel(static_cast<int>(q_block), static_cast<int>(k_block),
+                                    static_cast<int>(kv_step), launch.enable_skip_softmax, params, launch, stream))
+      << "no SAGE kernel was built for q_block " << q_block << ", k_block " << k_block << ", kv_step " << kv_step
+      << ", skip-softmax " << launch.enable_skip_softmax;
+}
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sage_attention, sage_attention);

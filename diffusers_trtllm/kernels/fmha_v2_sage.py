@@ -1,0 +1,283 @@
+"""SAGE attention on Hopper (sm_90) with TRT-LLM FMHAv2's warp-specialized FP8 kernels.
+
+FlashInfer ships FMHAv2's sources with SageAttention support (kernel traits ``SAGE_BLOCK_SIZE_Q/K/V``, kernel
+parameters ``sage.{q,k,v}``) and the generator that instantiates them, but its Python API never fills the SAGE
+parameters. This module generates the SAGE variants with FlashInfer's own generator
+(``flashinfer.jit.attention.fmha_v2.fmha_library``), compiles them with this package's host binding
+(``csrc/fmha_v2_sage.cu``) through FlashInfer's JIT (once per machine, cached), and quantizes Q, K and V for
+them with one fused Triton pass.
+
+Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_v2`` semantics model them):
+
+- K smoothed by its per-sequence mean; Q per block of 64 tokens and K per block of ``k_block`` tokens (64 or
+  128; 0 = one scale per sequence and head, multiplied into Q's scales so the kernel does no per-key scaling)
+  quantized to fp8 e4m3 (scale = block amax / 448), blocks from each sequence's start;
+- V per (sequence, head, channel) to fp8 e4m3. The kernel's own V block scales are loaded but never applied
+  (``compute.h``'s ``APPLY_SCALE_V`` only records them, in FlashInfer 0.7.2 as in TRT-LLM), so the kernel runs
+  with V scales of 1 and its bf16 output is multiplied by V's per-channel scales afterwards;
+- P quantized to fp8 as ``P · 256`` (FMHAv2's ``Softmax_fp_quant_scale<e4m3>``); row sums from unquantized P;
+- Skip-Softmax in the same kernel: each warpgroup (64 query rows) skips a KV step (``kv_step`` keys: 256, the
+  generator's choice for e4m3, or 128) when every row's ``exp(tile_max - running_max) < skip_factor / kv_len``,
+  so decisions are per ``64 × kv_step`` tile (:func:`skip_tile`); the first KV step is never skipped.
+
+The kernel reads Q, K and V from one packed ``[tokens, Hq + 2·Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so
+every sequence has as many queries as keys (self-attention). GPUs: sm_90 only (wgmma, TMA, setmaxnreg).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import time
+from typing import NamedTuple
+
+import torch
+
+from . import triton_sage
+
+logger = logging.getLogger("diffusers_trtllm")
+
+HEAD_DIM = 128
+Q_BLOCK = 64  # the kernel's query step per warpgroup: Q scale blocks must be a multiple of it
+K_BLOCKS = (0, 64, 128)  # compiled K scale blocks (0: one scale per sequence and head, folded into Q's)
+KV_STEPS = (256, 128)  # keys per KV step: FlashInfer's choice for e4m3, and a finer one for Skip-Softmax
+P_SCALE = 256.0  # P enters P·V as fp8(P * 256)
+BINDING_SOURCE = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_sage.cu"
+
+
+@dataclasses.dataclass(frozen=True)
+class SageKernel:
+    """One generated kernel: its K scale block, keys per KV step and whether it has the Skip-Softmax code path."""
+
+    k_block: int
+    kv_step: int
+    skip_softmax: bool
+
+
+def sage_kernels() -> tuple[SageKernel, ...]:
+    """Every kernel the module builds: each compiled K block and KV step, with and without Skip-Softmax (K block
+    128 at KV step 256 only: it exists for the block-size sweep)."""
+    return tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
+                 for skip in (False, True) if not (k_block == 128 and kv_step != 256))
+
+
+def skip_tile(kv_step: int) -> tuple[int, int]:
+    """(query rows, keys) per skip decision: one warpgroup's 64 rows, one KV step."""
+    return (Q_BLOCK, kv_step)
+
+
+def kernel_spec(kernel: SageKernel):
+    """FlashInfer's ``FMHAv2KernelSpec`` for ``kernel``: sm_90, e4m3 in, bf16 out, head_dim 128, PACKED_QKV,
+    warp-specialized, no ALiBi or softcapping, SAGE blocks ``(64, k_block, 0)`` (V block 0: no V scales),
+    ``kv_loop_step`` = ``kv_step``."""
+    from flashinfer.jit.attention.fmha_v2.fmha_library import generate_kernel_spec
+    from flashinfer.jit.attention.fmha_v2.utils import InputLayout
+
+    spec = generate_kernel_spec(sm=90, head_size=HEAD_DIM, dtype="e4m3", enable_skip_softmax=kernel.skip_softmax,
+                                return_softmax=False, enable_attn_logit_softcapping=False, alibi=False,
+                                input_layout=InputLayout.PACKED_QKV, output_dtype="bf16")
+    return dataclasses.replace(spec, sage_block_sizes=(Q_BLOCK, kernel.k_block, 0), kv_loop_step=kernel.kv_step)
+
+
+# FlashInfer 0.7.2's template emits a kernel per mask type (its "0"/"1" mask flags are strings, truthy either
+# way), and the non-padding ones drop the SAGE block sizes. Each section sits between two marker comments;
+# everything but the padding-mask kernel is cut, which also divides the build time by four.
+UNUSED_MASK_SECTIONS = (("// causal_mask", ("// causal mask", "// causal_mask")),
+                        ("// sliding_or_chunked_causal_mask", ("// sliding_or_chunked_causal_mask",)),
+                        ("// custom_mask", ("// custom mask", "// custom_mask")))
+
+
+def padding_mask_only(code: str) -> str:
+    """``code`` with the sections of :data:`UNUSED_MASK_SECTIONS` emptied (their marker lines kept)."""
+    lines, kept, open_section = code.splitlines(), [], None
+    for line in lines:
+        text = line.strip()
+        if open_section is None:
+            kept.append(line)
+            open_section = next((ends for start, ends in UNUSED_MASK_SECTIONS if text == start), None)
+        elif text in open_section:
+            kept.append(line)
+            open_section = None
+    if open_section is not None:
+        raise RuntimeError("FlashInfer's FMHAv2 template changed: a mask section's closing marker is missing")
+    return "\n".join(kept) + "\n"
+
+
+def kernel_sources() -> dict[str, str]:
+    """File name -> CUDA source of every generated kernel, plus ``sage_kernels.h`` (the launchers' declarations
+    and ``launch_sage_kernel``, which dispatches on q block, k block, KV step and skip-softmax)."""
+    from flashinfer.jit.attention.fmha_v2.fmha_library import get_kernel_code
+    from flashinfer.jit.attention.fmha_v2.utils import encode_name
+
+    sources, declarations, branches = {}, [], []
+    for kernel in sage_kernels():
+        spec = kernel_spec(kernel)
+        file_name, launcher, kernel_name = encode_name(spec)
+        sources[file_name] = padding_mask_only(get_kernel_code(spec, kernel_name, launcher))
+        declarations.append(f"void {launcher}(Params& params, const Launch_params& launch, cudaStream_t stream);")
+        branches.append(f"  if (q_block == {Q_BLOCK} && k_block == {kernel.k_block} && kv_step == {kernel.kv_step} "
+                        f"&& skip == {str(kernel.skip_softmax).lower()}) {{\n"
+                        f"    {launcher}(params, launch, stream);\n    return true;\n  }}")
+    sources["sage_kernels.h"] = "\n".join([
+        "// Generated by diffusers_trtllm/kernels/fmha_v2_sage.py.",
+        "#pragma once",
+        "#include <fused_multihead_attention.h>",
+        "using Params = bert::Fused_multihead_attention_params_v2;",
+        "using Launch_params = bert::Fused_multihead_attention_launch_params;",
+        *declarations,
+        "inline bool launch_sage_kernel(int q_block, int k_block, int kv_step, bool skip, Params& params,",
+        "                               const Launch_params& launch, cudaStream_t stream) {",
+        *branches,
+        "  return false;",
+        "}",
+        ""])
+    return sources
+
+
+def include_dirs() -> list[pathlib.Path]:
+    """Header folders the build needs: FMHAv2's sources, FlashInfer's csrc (tvm_ffi_utils.h) and include."""
+    from flashinfer.jit import env as jit_env
+
+    return [jit_env.FLASHINFER_CSRC_DIR / "fmha_v2", jit_env.FLASHINFER_CSRC_DIR, jit_env.FLASHINFER_INCLUDE_DIR]
+
+
+def _module_name(sources: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(sources):
+        digest.update(name.encode() + sources[name].encode())
+    digest.update(BINDING_SOURCE.read_bytes())
+    return f"diffusers_trtllm_fmha_v2_sage_{digest.hexdigest()[:12]}"
+
+
+def jit_spec():
+    """FlashInfer ``JitSpec`` of the module: generated kernels and the binding written under FlashInfer's
+    generated-source folder, compiled for sm_90a. The name carries a hash of the sources, so a changed
+    generator or binding builds anew instead of loading a stale module."""
+    from flashinfer.jit import env as jit_env
+    from flashinfer.jit.core import gen_jit_spec
+    from flashinfer.jit.utils import write_if_different
+
+    sources = kernel_sources()
+    name = _module_name(sources)
+    folder = jit_env.FLASHINFER_GEN_SRC_DIR / name
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for file_name, code in {**sources, BINDING_SOURCE.name: BINDING_SOURCE.read_text()}.items():
+        write_if_different(folder / file_name, code)
+        if file_name.endswith(".cu"):
+            paths.append(folder / file_name)
+    return gen_jit_spec(name, paths, extra_cuda_cflags=nvcc_flags(folder))
+
+
+def nvcc_flags(generated: pathlib.Path) -> list[str]:
+    """nvcc flags of the build: sm_90a (wgmma and setmaxnreg need the arch-specific target) and the include
+    folders (``generated`` holds ``sage_kernels.h``)."""
+    return ["-gencode=arch=compute_90a,code=sm_90a", f"-I{generated}", *(f"-I{d}" for d in include_dirs()),
+            "-Wno-deprecated-gpu-targets"]
+
+
+@functools.lru_cache(maxsize=None)
+def load_module():
+    """Build (first use on a machine: minutes) or load the compiled module, and say which."""
+    spec = jit_spec()
+    if spec.is_compiled:
+        logger.info("loading the FMHAv2 SAGE kernels from FlashInfer's JIT cache (%s)", spec.name)
+    else:
+        logger.warning("building %d TRT-LLM FMHAv2 SAGE kernels (sm_90; K blocks %s, KV steps %s, with and without "
+                       "skip-softmax) with nvcc as %s: a few minutes on 16 cores (MAX_JOBS=%s), once per machine",
+                       len(sage_kernels()), list(K_BLOCKS), list(KV_STEPS), spec.name,
+                       os.environ.get("MAX_JOBS", "unset"))
+    start = time.perf_counter()
+    module = spec.build_and_load()
+    if not spec.is_compiled:
+        logger.warning("FMHAv2 SAGE kernels ready after %.1f s", time.perf_counter() - start)
+    return module
+
+
+class PackedSage(NamedTuple):
+    """Q, K, V quantized for the kernel.
+
+    ``qkv``: ``[T, Hq + 2·Hkv, 128]`` float8_e4m3fn (Q heads, K heads, V heads per token); ``q_scale``:
+    ``[B, Hq, ceil(max_len / 64)]`` float32 (times K's scale when ``k_block`` is 0); ``k_scale``:
+    ``[B, Hq, ceil(max_len / k_block)]`` float32 per query head (empty when ``k_block`` is 0); ``v_scale``:
+    ``[B, Hkv, 128]`` float32.
+    """
+
+    qkv: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_block: int
+
+
+def sage_quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                         max_seqlen: int, k_block: int) -> PackedSage:
+    """Quantize a packed self-attention batch for :func:`sage_attention_packed` (one Triton reduction, one
+    Triton pass writing the packed fp8 tensor and the scales).
+
+    ``q`` ``[T, Hq, 128]``, ``k``/``v`` ``[T, Hkv, 128]`` bf16/fp16, channels contiguous; ``cu_seqlens``
+    ``[B + 1]`` int32 (queries and keys of sequence ``i`` are rows ``cu_seqlens[i]:cu_seqlens[i + 1]``).
+    """
+    tokens, heads_q, heads_kv = q.shape[0], q.shape[1], k.shape[1]
+    batch = cu_seqlens.shape[0] - 1
+    device = q.device
+    qkv = torch.empty(tokens, heads_q + 2 * heads_kv, HEAD_DIM, dtype=torch.float8_e4m3fn, device=device)
+    # Blocks past a shorter sequence's end are read by the kernel (and masked): scale 1 keeps them finite.
+    q_scale = torch.ones(batch, heads_q, -(-max_seqlen // Q_BLOCK), dtype=torch.float32, device=device)
+    k_scale = torch.ones(batch, heads_kv, -(-max_seqlen // k_block) if k_block else 0, dtype=torch.float32,
+                         device=device)
+    v_scale = torch.empty(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
+    targets = triton_sage.QuantizeTargets(qkv[:, :heads_q], q_scale, qkv[:, heads_q:heads_q + heads_kv], k_scale,
+                                          qkv[:, heads_q + heads_kv:], v_scale, scales_by_sequence=True,
+                                          v_transposed=False)
+    triton_sage.quantize_into(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, targets,
+                              dtype_qk="fp8_e4m3", q_block=Q_BLOCK, k_block=k_block)
+    if heads_q != heads_kv and k_block:  # the kernel indexes K scales by query head
+        k_scale = k_scale.repeat_interleave(heads_q // heads_kv, dim=1)
+    return PackedSage(qkv, q_scale, k_scale, v_scale, k_block)
+
+
+def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens: tuple[int, ...], heads_q: int,
+                          scale: float, skip_factor: float = 0.0, kv_step: int = 256) -> torch.Tensor:
+    """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output. Returns ``[T, Hq, 128]`` bf16 with V's
+    per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i)."""
+    heads_kv = (packed.qkv.shape[1] - heads_q) // 2
+    out = torch.empty(packed.qkv.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=packed.qkv.device)
+    tile_counter = torch.empty(1, dtype=torch.int32, device=packed.qkv.device)  # per call: streams never share it
+    load_module().sage_attention(packed.qkv, out, packed.q_scale, packed.k_scale, cu_seqlens, tile_counter,
+                                 heads_q, heads_kv, max(seqlens), Q_BLOCK, packed.k_block, kv_step, float(scale),
+                                 float(skip_factor))
+    v_scale = packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1) if heads_q != heads_kv else packed.v_scale
+    if len(set(seqlens)) == 1:
+        out.view(len(seqlens), seqlens[0], heads_q, HEAD_DIM).mul_(v_scale[:, None])
+    else:
+        start = 0
+        for i, length in enumerate(seqlens):
+            out[start:start + length].mul_(v_scale[i])
+            start += length
+    return out
+
+
+def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           seqlens: tuple[int, ...], scale: float, *, k_block: int = 64, kv_step: int = 256,
+                           skip_factor: float = 0.0) -> torch.Tensor:
+    """SAGE attention (FP8 e4m3 Q/K/V, per-block Q/K scales, per-channel V) with optional Skip-Softmax on
+    Hopper through TRT-LLM FMHAv2's warp-specialized kernel; quantization included.
+
+    ``q``: ``[T, Hq, 128]``, ``k``/``v``: ``[T, Hkv, 128]`` bf16 (fp16 accepted), ragged self-attention: sequence
+    ``i`` owns rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of all three (``cu_seqlens`` ``[B + 1]`` int32 on the
+    tensors' device; ``seqlens`` the same lengths as host ints). ``Hq % Hkv == 0``. ``scale``: softmax scale.
+    ``k_block`` / ``kv_step``: a pair of :func:`sage_kernels`; skip decisions are per :func:`skip_tile`.
+    Returns ``[T, Hq, 128]`` bf16. GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels
+    (see :func:`load_module`).
+    """
+    if not any(k.k_block == k_block and k.kv_step == kv_step for k in sage_kernels()):
+        raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r} has no compiled FMHAv2 SAGE kernel; "
+                         f"compiled: {sorted({(k.k_block, k.kv_step) for k in sage_kernels()})}")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block)
+    return sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step)
