@@ -216,16 +216,19 @@ def wan_speed(tokens: int, heads: int) -> dict:
 
 def skip_curve(tokens: int, heads: int, cudnn_ms: float) -> None:
     q, k, v = published_curve_qkv(tokens, heads)
-    skip_kernels = [kr for kr in fmha_v2_sage.sage_kernels() if kr.skip_softmax and kr.k_block == 64]
+    skip_kernels = [kr for kr in fmha_v2_sage.sage_kernels() if kr.skip_softmax and kr.k_block in (0, 64)]
     dense = {"FMHAv2 bf16": fmha_bf16(q, k, v)[:, :ERROR_HEADS].float(),
              "Triton SAGE int8": triton(q, k, v, "int8")[:, :ERROR_HEADS].float(),
              "FMHAv2 SAGE fp8": fmha_sage(q, k, v, (tokens,), skip_kernels[0])[:, :ERROR_HEADS].float()}
+    for kr in skip_kernels:
+        log("curve", kernel=f"FMHAv2 SAGE fp8 k{kr.k_block} step{kr.kv_step} dense (this data)",
+            ms=bench_ms(lambda kr=kr: fmha_sage(q, k, v, (tokens,), kr)))
     cudnn_here = bench_ms(lambda: sdpa(q, k, v))
     log("curve", kernel="cuDNN SDPA (this data)", ms=cudnn_here)
     for s in SPARSITIES:
         factor = skip_factor(s)
         sparsity = {}
-        for tile in ((128, 128), *(fmha_v2_sage.skip_tile(kr.kv_step) for kr in skip_kernels)):
+        for tile in ((128, 128), *sorted({fmha_v2_sage.skip_tile(kr.kv_step) for kr in skip_kernels})):
             _, skipped, total = reference_attention(q[:, :ERROR_HEADS].float(), k[:, :ERROR_HEADS].float(),
                                                     v[:, :ERROR_HEADS].float(), SCALE, skip_lambda=factor / tokens,
                                                     tile=tile, query_chunk=8192)
@@ -234,7 +237,7 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float) -> None:
         runs = [("FMHAv2 bf16 + skip", "FMHAv2 bf16", lambda: fmha_bf16(q, k, v, factor)),
                 ("Triton SAGE int8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "int8", factor)),
                 ("Triton SAGE fp8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "fp8_e4m3", factor))]
-        runs += [(f"FMHAv2 SAGE fp8 k64 step{kr.kv_step} + skip", "FMHAv2 SAGE fp8",
+        runs += [(f"FMHAv2 SAGE fp8 k{kr.k_block} step{kr.kv_step} + skip", "FMHAv2 SAGE fp8",
                   lambda kr=kr: fmha_sage(q, k, v, (tokens,), kr, factor)) for kr in skip_kernels]
         for name, dense_name, fn in runs:
             try:
@@ -248,7 +251,12 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
+    parser.add_argument("--sections", default="accuracy,wan,curve", help="comma-separated: accuracy, wan, curve")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    unknown = sections - {"accuracy", "wan", "curve"}
+    if unknown:
+        parser.error(f"--sections: unknown section(s) {sorted(unknown)}; valid: accuracy, wan, curve")
     tokens, heads = (8192, 8) if args.quick else (75600, 40)
     import flashinfer
 
@@ -256,9 +264,16 @@ def main() -> None:
                            flashinfer=flashinfer.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            shape=[tokens, heads, 128])
     build()
-    accuracy()
-    times = wan_speed(tokens, heads)
-    skip_curve(tokens, heads, times["cuDNN SDPA"])
+    if "accuracy" in sections:
+        accuracy()
+    if "wan" in sections:
+        cudnn_ms = wan_speed(tokens, heads)["cuDNN SDPA"]
+    else:
+        q, k, v = random_qkv(tokens, heads)
+        cudnn_ms = bench_ms(lambda: sdpa(q, k, v))
+        del q, k, v
+    if "curve" in sections:
+        skip_curve(tokens, heads, cudnn_ms)
 
 
 if __name__ == "__main__":

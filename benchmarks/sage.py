@@ -36,6 +36,7 @@ from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV  # noqa: E402
 from diffusers_trtllm.backends.reference import reference_attention  # noqa: E402
 from diffusers_trtllm.config import AttnQuantSpec  # noqa: E402
 from diffusers_trtllm.kernels import triton_sage as ts  # noqa: E402
+from diffusers_trtllm.quant import SageSemantics  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 WAN = (75600, 40)  # (tokens, heads)
@@ -50,6 +51,23 @@ SKIP_LAMBDAS = (0.001, 0.01, 0.03, 0.1, 0.3)
 PEAKY_SHARPNESS = 3.0
 BLOCKS = [(qb, kb) for qb in (1, 4, 16) for kb in (1, 4, 16)]
 results: dict = {"rows": []}
+
+
+def quantize(qkv: VarlenQKV, quant: AttnQuantSpec) -> ts.SageQuantized:
+    return ts.sage_quantize(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.max_seqlen_q,
+                            qkv.max_seqlen_kv, dtype_qk=quant.dtype_qk, q_block=quant.q_block_size,
+                            k_block=quant.k_block_size)
+
+
+def attend(qkv: VarlenQKV, z: ts.SageQuantized, plan: KernelPlan, launch=None):
+    """``(out, skipped, total)`` of the attention launch on already-quantized inputs."""
+    return ts.sage_attention_quantized(z, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q, qkv.seqlens_kv,
+                                       plan.scale, skip_factor=plan.skip_factor, skip_tile=plan.tile,
+                                       count_skips=plan.count_skips, launch=launch)
+
+
+def semantics(quant: AttnQuantSpec) -> SageSemantics:
+    return SageSemantics(quant.dtype_qk, quant.q_block_size, quant.k_block_size)
 
 
 def log(section: str, **row) -> None:
@@ -91,10 +109,10 @@ def sweep() -> dict:
     best = {}
     for dtype in ("fp8_e4m3", "int8"):
         plan = sage_plan(dtype)
-        z = ts.sage_quantize(qkv, plan.quant)
+        z = quantize(qkv, plan.quant)
         for launch in SWEEP if dtype == "fp8_e4m3" else [best["fp8_e4m3"][1]]:
             try:
-                ms = bench_ms(lambda: ts.sage_attention_quantized(qkv, z, plan, launch), 800)
+                ms = bench_ms(lambda: attend(qkv, z, plan, launch), 800)
             except Exception as e:  # a shape that does not compile (shared memory, registers) is reported, not fatal
                 log("sweep", dtype=dtype, launch=launch.__dict__, error=repr(e)[:300])
                 continue
@@ -127,11 +145,11 @@ def wan_speed(best: dict) -> None:
     for dtype in ("int8", "fp8_e4m3"):
         plan = sage_plan(dtype)
         launch = best.get(dtype, ts.DENSE_LAUNCH)
-        z = ts.sage_quantize(qkv, plan.quant)
-        quant_ms = bench_ms(lambda: ts.sage_quantize(qkv, plan.quant))
-        attn_ms = bench_ms(lambda: ts.sage_attention_quantized(qkv, z, plan, launch))
-        out = ts.sage_attention_quantized(qkv, z, plan, launch).out
-        total_ms = bench_ms(lambda: ts.sage_attention_quantized(qkv, ts.sage_quantize(qkv, plan.quant), plan, launch))
+        z = quantize(qkv, plan.quant)
+        quant_ms = bench_ms(lambda: quantize(qkv, plan.quant))
+        attn_ms = bench_ms(lambda: attend(qkv, z, plan, launch))
+        out = attend(qkv, z, plan, launch)[0]
+        total_ms = bench_ms(lambda: attend(qkv, quantize(qkv, plan.quant), plan, launch))
         row(f"Triton SAGE {dtype} q1/k16 (quantize + attention)", total_ms, out, quantize_ms=quant_ms,
             attention_ms=attn_ms, attention_tflops=tflops(seq, heads, attn_ms), launch=launch.__dict__)
     del q, k, v, cudnn
@@ -145,21 +163,21 @@ def skip_table(best: dict) -> None:
     cudnn_ms = bench_ms(lambda: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION))
     for dtype in ("int8", "fp8_e4m3"):
         dense_plan = sage_plan(dtype)
-        z = ts.sage_quantize(qkv, dense_plan.quant)
+        z = quantize(qkv, dense_plan.quant)
         dense_launch = best.get(dtype, ts.DENSE_LAUNCH)
-        dense_ms = bench_ms(lambda: ts.sage_attention_quantized(qkv, z, dense_plan, dense_launch))
-        dense_out = ts.sage_attention_quantized(qkv, z, dense_plan, dense_launch).out
+        dense_ms = bench_ms(lambda: attend(qkv, z, dense_plan, dense_launch))
+        dense_out = attend(qkv, z, dense_plan, dense_launch)[0]
         log("skip", dtype=dtype, lam=0.0, tile=None, ms=dense_ms, sparsity=0.0, speedup_vs_sage_dense=1.0,
             speedup_vs_cudnn=cudnn_ms / dense_ms, rel_err_vs_cudnn=rel_err(dense_out, cudnn), cudnn_ms=cudnn_ms)
         for tile in SKIP_TILES:
             for lam in SKIP_LAMBDAS:
                 plan = sage_plan(dtype, skip_factor=lam * seq, count=True, tile=tile)
-                result = ts.sage_attention_quantized(qkv, z, plan)
-                sparsity = int(result.skipped_tiles) / int(result.total_tiles)
-                ms = bench_ms(lambda: ts.sage_attention_quantized(qkv, z, plan))
+                result = attend(qkv, z, plan)
+                sparsity = int(result[1]) / int(result[2])
+                ms = bench_ms(lambda: attend(qkv, z, plan))
                 log("skip", dtype=dtype, lam=lam, tile=list(tile), ms=ms, sparsity=sparsity,
                     speedup_vs_sage_dense=dense_ms / ms, speedup_vs_cudnn=cudnn_ms / ms,
-                    rel_err_vs_cudnn=rel_err(result.out, cudnn), rel_err_vs_sage_dense=rel_err(result.out, dense_out))
+                    rel_err_vs_cudnn=rel_err(result[0], cudnn), rel_err_vs_sage_dense=rel_err(result[0], dense_out))
 
 
 def accuracy(best: dict) -> None:
@@ -178,17 +196,17 @@ def accuracy(best: dict) -> None:
         for dtype in ("int8", "fp8_e4m3"):
             for q_block, k_block in BLOCKS:
                 plan = sage_plan(dtype, q_block, k_block)
-                out = ts.triton_sage_attention(qkv, plan).out
-                same_semantics, _, _ = reference_attention(q.float(), k.float(), v.float(), SCALE, quant=plan.quant)
+                out = attend(qkv, quantize(qkv, plan.quant), plan)[0]
+                same_semantics, _, _ = reference_attention(q.float(), k.float(), v.float(), SCALE, quant=semantics(plan.quant))
                 log("accuracy", data=data, kernel="Triton SAGE", dtype=dtype, q_block=q_block, k_block=k_block,
                     fp8_qk_chunk=ts.DENSE_LAUNCH.fp8_qk_chunk, rel_err_vs_exact=rel_err(out, exact),
                     rel_err_vs_sage_reference=rel_err(out, same_semantics),
                     sage_reference_vs_exact=rel_err(same_semantics, exact))
         plan = sage_plan("fp8_e4m3")
-        same_semantics, _, _ = reference_attention(q.float(), k.float(), v.float(), SCALE, quant=plan.quant)
+        same_semantics, _, _ = reference_attention(q.float(), k.float(), v.float(), SCALE, quant=semantics(plan.quant))
         for chunk in (64, 32):  # fp32 adds every `chunk` channels of Q·Kᵀ (sm_90 fp8 accumulation)
             launch = dataclasses.replace(ts.DENSE_LAUNCH, fp8_qk_chunk=chunk)
-            out = ts.sage_attention_quantized(qkv, ts.sage_quantize(qkv, plan.quant), plan, launch).out
+            out = attend(qkv, quantize(qkv, plan.quant), plan, launch)[0]
             log("accuracy", data=data, kernel="Triton SAGE", dtype="fp8_e4m3", q_block=1, k_block=16,
                 fp8_qk_chunk=chunk, rel_err_vs_exact=rel_err(out, exact),
                 rel_err_vs_sage_reference=rel_err(out, same_semantics),

@@ -271,7 +271,7 @@ def main(argv=None) -> dict:
 def trtllm_warmup(device: torch.device) -> dict | str:
     """Build FlashInfer's kernels once before timing (FMHAv2's JIT build takes ~90 s the first time)."""
     try:
-        from diffusers_trtllm.kernels.flashinfer_fmha import warmup
+        from diffusers_trtllm.backends.trtllm import warmup
 
         return warmup(device)
     except Exception as e:  # noqa: BLE001  (the TRTLLM rows will then carry the error themselves)

@@ -108,8 +108,8 @@ class AttnQuantSpec:
     """SAGE quantization: Q/K per block of ``q_block_size`` / ``k_block_size`` tokens to ``dtype_qk``, K smoothed,
     V per channel to fp8_e4m3. ``dtype_qk=None`` means no quantization (dense).
 
-    Block sizes left ``None`` take the fastest kernel of the GPU (Hopper fp8: FMHAv2's Q 64 / K 64 for
-    self-attention; elsewhere Q 1 / K 16). Explicit sizes are checked here against every size some kernel has
+    Block sizes left ``None`` take the fastest kernel of the GPU (Hopper fp8 self-attention: FMHAv2 with Q blocks
+    of 64 and one K scale per sequence and head; elsewhere Q 1 / K 16). Explicit sizes are checked here against every size some kernel has
     (:data:`SAGE_Q_BLOCK_SIZES`, :data:`SAGE_K_BLOCK_SIZES`) and, when attention is planned, against the kernels
     of the GPU it runs on (1, 4, 16 on the Triton kernel and trtllm-gen's K; Q 1 on trtllm-gen; Q 64 with K 64 or
     128 on Hopper's FMHAv2, fp8 only).

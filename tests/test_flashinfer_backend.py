@@ -90,14 +90,14 @@ def test_empty_sequence_refused(monkeypatch, flashinfer_ok):
 
 
 def test_queries_are_zero_padded_to_the_key_length_only_where_shorter():
-    from diffusers_trtllm.kernels.flashinfer_fmha import _pad_queries_to_keys
+    from diffusers_trtllm.kernels.flashinfer_fmha import pad_queries_to_keys
 
     qkv = make_qkv((300, 50, 128), (300, 80, 64))
     qkv.q.normal_()
-    padded = _pad_queries_to_keys(qkv)
-    assert padded.seqlens_q == (300, 80, 128) and padded.seqlens_kv == qkv.seqlens_kv
-    assert torch.equal(padded.q[:300], qkv.q[:300]) and torch.equal(padded.q[300:350], qkv.q[300:350])
-    assert not padded.q[350:380].any() and torch.equal(padded.q[380:], qkv.q[350:])
+    padded, lengths = pad_queries_to_keys(qkv.q, qkv.seqlens_q, qkv.seqlens_kv)
+    assert lengths == (300, 80, 128)
+    assert torch.equal(padded[:300], qkv.q[:300]) and torch.equal(padded[300:350], qkv.q[300:350])
+    assert not padded[350:380].any() and torch.equal(padded[380:], qkv.q[350:])
 
 
 @pytest.mark.parametrize("seqlens_q,seqlens_kv", [((4096,), (512,)), ((4096, 4096), (257, 257)),
@@ -119,9 +119,9 @@ def test_blackwell_accepts_cross_attention(monkeypatch, flashinfer_ok):
     assert trtllm.unavailable_reason(plan(), make_qkv((4096,), (512,))) is None
 
 
-def test_hopper_sage_reason_comes_from_triton_kernel(monkeypatch, flashinfer_ok):
+def test_hopper_int8_sage_reason_comes_from_triton_kernel(monkeypatch, flashinfer_ok):
     on_arch(monkeypatch, "sm_90")
-    fake = types.SimpleNamespace(triton_sage_unavailable_reason=lambda plan, qkv: "k block 1 not built")
+    fake = types.SimpleNamespace(triton_sage_unavailable_reason=lambda q, k, v, **kw: "k block 1 not built")
     monkeypatch.setattr(trtllm, "triton_sage", fake)
     assert trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="int8")), make_qkv()) == "k block 1 not built"
 
@@ -147,7 +147,8 @@ def test_sage_block_sizes_on_blackwell(monkeypatch, flashinfer_ok, q_block, k_bl
 def test_sage_specs_with_kernels():
     assert [s.dtype_qk for s in trtllm.sage_specs_with_kernels("sm_100")] == ["int8", "fp8_e4m3"]
     assert [s.dtype_qk for s in trtllm.sage_specs_with_kernels("sm_103")] == ["fp8_e4m3"]
-    assert trtllm.sage_specs_with_kernels("sm_90") == []
+    assert [s.dtype_qk for s in trtllm.sage_specs_with_kernels("sm_90")] == ["int8", "fp8_e4m3"]
+    assert trtllm.sage_specs_with_kernels("sm_80") == []
 
 
 # --------------------------------------------------------------------------- FlashInfer presence and version

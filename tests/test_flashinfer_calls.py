@@ -195,19 +195,37 @@ def test_blackwell_sage_calls(monkeypatch, recording, arch, dtype_qk, k_block):
     assert akw["skip_softmax_threshold_scale_factor"] == 1000.0
 
 
-def test_sm90_sage_routes_to_triton_kernel(monkeypatch, recording):
+@pytest.mark.parametrize("quant,lengths,kernel", [
+    (AttnQuantSpec(dtype_qk="int8"), ((300, 200), (300, 200)), "triton"),
+    (AttnQuantSpec(dtype_qk="fp8_e4m3", q_block_size=1, k_block_size=16), ((300, 200), (300, 200)), "triton"),
+    (AttnQuantSpec(dtype_qk="fp8_e4m3"), ((300, 200), (300, 512)), "triton"),
+    (AttnQuantSpec(dtype_qk="fp8_e4m3"), ((300, 200), (300, 200)), "fmha_v2"),
+    (AttnQuantSpec(dtype_qk="fp8_e4m3", q_block_size=64, k_block_size=128), ((300, 200), (300, 200)), "fmha_v2")])
+def test_sm90_sage_routes_by_dtype_blocks_and_lengths(monkeypatch, recording, quant, lengths, kernel):
     on_arch(monkeypatch, "sm_90")
     seen = {}
 
-    def triton_sage_attention(qkv, plan):
-        seen["run"] = plan
-        return trtllm.KernelResult(torch.zeros_like(qkv.q))
+    def triton_sage_attention(q, k, v, cu_q, cu_kv, seqlens_q, seqlens_kv, scale, **kwargs):
+        seen["triton"] = kwargs
+        return torch.zeros_like(q), None, None
 
-    fake = types.SimpleNamespace(triton_sage_attention=triton_sage_attention,
-                                 triton_sage_unavailable_reason=lambda plan, qkv: seen.setdefault("check", None))
-    monkeypatch.setattr(trtllm, "triton_sage", fake)
-    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=AttnQuantSpec(dtype_qk="int8"))
-    qkv = ragged_qkv()
-    assert trtllm.unavailable_reason(plan, qkv) is None and "check" in seen
+    def fmha_v2_sage_attention(q, k, v, cu, seqlens, scale, **kwargs):
+        seen["fmha_v2"] = kwargs
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(trtllm, "triton_sage", types.SimpleNamespace(
+        triton_sage_attention=triton_sage_attention,
+        triton_sage_unavailable_reason=lambda *a, **kw: None))
+    monkeypatch.setattr(trtllm.fmha_v2_sage, "fmha_v2_sage_attention", fmha_v2_sage_attention)
+    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=quant)
+    q = torch.zeros(sum(lengths[0]), 4, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(sum(lengths[1]), 4, 128, dtype=torch.bfloat16)
+    qkv = VarlenQKV(q, kv, kv.clone(), *lengths)
+    assert trtllm.unavailable_reason(plan, qkv) is None
     trtllm.run(qkv, plan)
-    assert seen["run"] is plan and recording.calls == []
+    assert list(seen) == [kernel] and recording.calls == []
+    if kernel == "fmha_v2":
+        expected = trtllm.FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
+        assert seen["fmha_v2"]["k_block"] == expected and seen["fmha_v2"]["kv_step"] == trtllm.FMHA_V2_KV_STEP
+    else:
+        assert (seen["triton"]["q_block"], seen["triton"]["k_block"]) == (1, 16)

@@ -11,7 +11,7 @@ from diffusers_trtllm.backends import run_backend
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import AttnQuantSpec
-from diffusers_trtllm.quant import quantize_blocks, quantize_sequence
+from diffusers_trtllm.quant import SageSemantics, quantize_blocks, quantize_sequence
 
 from helpers import rel_err
 
@@ -110,7 +110,7 @@ def test_int8_block_quantization_error_is_at_most_half_a_step():
 def test_smooth_k_removes_the_token_mean():
     q, k, v = (torch.randn(64, 2, 128, dtype=torch.float64) for _ in range(3))
     shifted = k + 5.0  # a large common offset, as real K has
-    sage = quantize_sequence(q, shifted, v, 1, 16, "int8")
+    sage = quantize_sequence(q, shifted, v, SageSemantics("int8", 1, 16))
     assert (sage.k * sage.k_scale).mean(0).abs().max() < 0.05
 
 
@@ -126,8 +126,7 @@ SAGE_BOUNDS = {"int8": 0.05, "fp8_e4m3": 0.07}
 def test_sage_error_against_float64_is_within_the_bound(dtype_qk, q_block, k_block):
     q, k, v = (torch.randn(600, 2, 128, dtype=torch.float64) for _ in range(3))
     k = k + 3.0  # non-zero mean K: smoothing must remove it or the int8/fp8 grid is wasted on the offset
-    quant = AttnQuantSpec(dtype_qk, q_block, k_block)
-    out, _, _ = reference_attention(q, k, v, 128 ** -0.5, quant=quant)
+    out, _, _ = reference_attention(q, k, v, 128 ** -0.5, quant=SageSemantics(dtype_qk, q_block, k_block))
     err = rel_err(out, exact_attention(q, k, v))
     assert 1e-3 < err < SAGE_BOUNDS[dtype_qk], err
 
@@ -135,7 +134,7 @@ def test_sage_error_against_float64_is_within_the_bound(dtype_qk, q_block, k_blo
 def test_sage_int8_is_more_accurate_than_fp8_on_the_same_inputs():
     q, k, v = (torch.randn(512, 2, 128, dtype=torch.float64) for _ in range(3))
     exact = exact_attention(q, k, v)
-    errs = {dt: rel_err(reference_attention(q, k, v, 128 ** -0.5, quant=AttnQuantSpec(dt))[0], exact)
+    errs = {dt: rel_err(reference_attention(q, k, v, 128 ** -0.5, quant=SageSemantics(dt, 1, 16))[0], exact)
             for dt in ("int8", "fp8_e4m3")}
     assert errs["int8"] < errs["fp8_e4m3"]
 

@@ -7,15 +7,16 @@ GPU                 dense / Skip-Softmax                        SAGE (per-block 
 ==================  ==========================================  =================================================
 sm_90 (H100/H200)   FlashInfer ``trtllm_fmha_v2_prefill``       fp8: TRT-LLM FMHAv2's warp-specialized SAGE kernel
                     (FMHAv2, JIT-built once per machine)        (``kernels.fmha_v2_sage``, Q block 64, K block
-                                                                64/128, self-attention); int8, Q/K blocks 1/4/16
+                                                                64/128 or per head, self-attention); int8, Q/K blocks 1/4/16
                                                                 or unequal lengths: ``kernels.triton_sage``
 sm_100 (B200)       FlashInfer ``trtllm_ragged_attention_       FlashInfer ``trtllm_sage_attention_quantize``
 sm_103 (B300)       deepseek`` (trtllm-gen cubins)              + trtllm-gen; int8 Q/K on sm_100 only
 anything else       none: the check says so                     none
 ==================  ==========================================  =================================================
 
-SAGE block sizes left unset (``None``) take the fastest kernel of the GPU (logged once); an explicit block size
-or dtype without a kernel on the GPU is refused, naming what the GPU offers (:func:`sage_block_sizes`).
+SAGE block sizes left unset (``None``) take the fastest kernel of the GPU (logged once; on Hopper fp8
+self-attention FMHAv2 with one K scale per sequence and head); an explicit block size or dtype without a kernel on
+the GPU is refused, naming what the GPU offers (:func:`sage_block_sizes`).
 
 Declared constraints (:func:`unavailable_reason` returns the first that fails, as a sentence):
 
@@ -69,8 +70,12 @@ SAGE_QK_DTYPES_BY_ARCH = {"sm_90": QK_DTYPES, "sm_100": ("int8", "fp8_e4m3"), "s
 TRITON_SAGE_BLOCKS = (1, 4, 16)  # Q and K blocks of the Triton kernel (and of trtllm-gen's K)
 TRTLLM_GEN_Q_BLOCKS = (1,)
 PORTABLE_BLOCKS = (1, 16)  # q, k blocks for unset sizes on kernels other than FMHAv2 SAGE
-# FMHAv2 SAGE's K block for unset sizes: the fastest measured at Wan 2.2's shape (benchmarks/RESULTS.md, issue 11).
-FMHA_V2_DEFAULT_K_BLOCK = 64
+# FMHAv2 SAGE for unset block sizes: the fastest measured at Wan 2.2's shape (benchmarks/RESULTS.md, issue 11): one
+# K scale per sequence and head (folded into Q's scales: no per-key scaling in the kernel), 256-key KV steps. K
+# blocks of 64 keys cost 12 % more time at the same error on smoothed K; 128-key steps are slower with and
+# without skipping.
+FMHA_V2_DEFAULT_K_BLOCK = 0
+FMHA_V2_KV_STEP = 256
 FMHA_V2_USER_K_BLOCKS = tuple(b for b in fmha_v2_sage.K_BLOCKS if b)  # 0 (per sequence) is internal only
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the
@@ -262,7 +267,7 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
         out = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), tuple(qkv.seqlens_q),
                                                   plan.scale, k_block=semantics.k_block,
-                                                  skip_factor=plan.skip_factor)
+                                                  kv_step=FMHA_V2_KV_STEP, skip_factor=plan.skip_factor)
         return KernelResult(out)
     out, skipped, total = triton_sage.triton_sage_attention(
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),

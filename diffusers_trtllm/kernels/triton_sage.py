@@ -378,8 +378,8 @@ def _block_scale_offset(seq, start, head, head_stride, seq_stride, BLOCK: tl.con
     """Where (seq, head)'s first block scale lives: ``seq * seq_stride + head * head_stride`` in the
     ``[B, H, blocks]`` layout, ``head * head_stride + start // BLOCK + seq`` in the packed ``[H, columns]`` one."""
     if SCALES_BY_SEQUENCE:
-        return seq.to(tl.int64) * seq_stride + head * head_stride
-    return head * head_stride + start // BLOCK + seq
+        return seq.to(tl.int64) * seq_stride + (head * head_stride).to(tl.int64)
+    return (head * head_stride + start // BLOCK + seq).to(tl.int64)
 
 
 @_jit
