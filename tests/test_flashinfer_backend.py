@@ -255,3 +255,57 @@ def test_warmup_validates_before_touching_a_gpu():
         trtllm.warmup(device="cpu", dtypes=(torch.float16,))
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         trtllm.warmup(device="cpu")
+
+
+@pytest.mark.parametrize("exc", [AssertionError("Failed to get checksums.txt from https://edge.urm.nvidia.com/x"),
+                                 RuntimeError("Artifact not found locally: fmha/x.cubin (looked at /c/x.cubin). "
+                                              "FLASHINFER_NO_DOWNLOAD is set — refusing to download.")])
+def test_cubin_download_failures_are_explained(monkeypatch, small_workspace, exc):
+    on_arch(monkeypatch, "sm_100")
+    monkeypatch.setattr(flashinfer_fmha, "flashinfer_prefill", lambda: _FailingPrefill(exc))
+    with pytest.raises(flashinfer_fmha.CubinUnavailableError):
+        trtllm.run(make_qkv(), plan())
+
+
+@pytest.mark.parametrize("message", ["cubin launch failed: an illegal memory access was encountered",
+                                     "could not download the weights: see the docs"])
+def test_errors_that_merely_mention_cubins_or_downloads_pass_through(monkeypatch, small_workspace, message):
+    on_arch(monkeypatch, "sm_100")
+    monkeypatch.setattr(flashinfer_fmha, "flashinfer_prefill", lambda: _FailingPrefill(RuntimeError(message)))
+    with pytest.raises(RuntimeError) as info:
+        trtllm.run(make_qkv(), plan())
+    assert not isinstance(info.value, flashinfer_fmha.CubinUnavailableError)
+
+
+def test_workspace_is_per_stream(monkeypatch, small_workspace):
+    streams = iter([1, 1, 2])
+    monkeypatch.setattr(flashinfer_fmha, "_stream_id", lambda device: next(streams))
+    first, again, other = (flashinfer_fmha.workspace("cpu") for _ in range(3))
+    assert first is again and other is not first
+
+
+def test_reference_models_trtllm_gen_batch_wide_statistics(monkeypatch):
+    """On Blackwell, FlashInfer's SAGE quantizer takes K's mean and V's scales over the whole packed batch; the
+    reference does the same there and per sequence elsewhere (the Hopper kernels)."""
+    from diffusers_trtllm.backends import run_backend
+    from diffusers_trtllm.backends.reference import reference_attention
+    from diffusers_trtllm.quant import SageSemantics, batch_statistics
+
+    torch.manual_seed(0)
+    lens = (200, 120)
+    q = torch.randn(sum(lens), 2, 128)
+    k = torch.randn(sum(lens), 2, 128) + torch.cat([torch.full((lens[0], 2, 128), 3.0), torch.zeros(lens[1], 2, 128)])
+    v = torch.randn(sum(lens), 2, 128) * torch.cat([torch.full((lens[0], 2, 128), 4.0), torch.ones(lens[1], 2, 128)])
+    qkv = VarlenQKV(q, k, v, lens, lens)
+    quant_plan = KernelPlan("TORCH_REFERENCE", SCALE, quant=AttnQuantSpec("fp8_e4m3"))
+    semantics = SageSemantics("fp8_e4m3", 1, 16)
+    k_mean, v_scale = batch_statistics(k, v)
+    batch = torch.cat([reference_attention(q[s], k[s], v[s], SCALE, quant=semantics, k_mean=k_mean,
+                                           v_scale=v_scale)[0] for s in (slice(0, 200), slice(200, 320))])
+    per_sequence = torch.cat([reference_attention(q[s], k[s], v[s], SCALE, quant=semantics)[0]
+                              for s in (slice(0, 200), slice(200, 320))])
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_100")
+    assert torch.equal(run_backend("TORCH_REFERENCE", qkv, quant_plan).out, batch)
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: None)
+    assert torch.equal(run_backend("TORCH_REFERENCE", qkv, quant_plan).out, per_sequence)
+    assert not torch.equal(batch, per_sequence)
