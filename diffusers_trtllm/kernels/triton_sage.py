@@ -1,7 +1,9 @@
 """SAGE attention with Skip-Softmax for Hopper (sm_90): fused Triton kernels.
 
-FlashInfer has no per-block SAGE kernel for sm_90 (its FMHAv2 takes fp8 with one scale per tensor), so this
-module is the project's own. It implements exactly the semantics of :mod:`diffusers_trtllm.quant` and
+The project's own SAGE kernel: TRT-LLM FMHAv2's SAGE kernel (:mod:`.fmha_v2_sage`) is faster for fp8 self-attention
+with Q blocks of 64 tokens; this one serves int8, Q/K blocks of 1, 4 or 16 tokens and unequal query and key lengths,
+and counts skipped tiles. Its quantizer (:func:`quantize_into`) also feeds the FMHAv2 kernel. It implements exactly
+the semantics of :mod:`diffusers_trtllm.quant` and
 :func:`diffusers_trtllm.backends.reference.reference_attention`, so that Skip-Softmax calibrations made with the
 reference transfer:
 
