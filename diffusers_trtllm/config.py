@@ -125,7 +125,9 @@ class AttnQuantSpec:
         for name, valid in (("q_block_size", SAGE_Q_BLOCK_SIZES), ("k_block_size", SAGE_K_BLOCK_SIZES)):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value not in valid):
-                raise invalid(f"quant.{name}", value, f"an int, one of {list(valid)}, or null (the GPU's fastest)")
+                fmha_v2 = ", ".join(str(b) for b in valid if b not in SAGE_BLOCK_SIZES)
+                raise invalid(f"quant.{name}", value, f"an int: one of {list(SAGE_BLOCK_SIZES)} (Triton, trtllm-gen) or "
+                              f"{fmha_v2} (Hopper FMHAv2, fp8); or null for the GPU's fastest kernel")
 
     @property
     def enabled(self) -> bool:
