@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +42,10 @@ TEST_FILES = (
     "tests/models/transformers/test_models_transformer_wan.py",
     "tests/models/transformers/test_models_transformer_hunyuan_1_5.py",
     "tests/models/transformers/test_models_transformer_cosmos3.py",
+    "tests/models/transformers/test_trtllm_hunyuan_video15_compile.py",
 )
+#: test cases of this repository (cases/) copied into each tree: compile tests diffusers has no class for.
+EXTRA_CASES = {"hunyuan_video15_compile.py": "tests/models/transformers/test_trtllm_hunyuan_video15_compile.py"}
 #: what the model test files import besides themselves.
 SUPPORT_PATHS = (
     "tests/__init__.py", "tests/conftest.py", "tests/testing_utils.py", "tests/models/__init__.py",
@@ -54,6 +58,7 @@ SUPPORT_PATHS = (
 TEST_TREE_TAGS = {"0.40.0": "v0.40.0", "0.42.1": "v0.40.0"}
 
 OUTCOMES = ("passed", "failed", "skipped")
+REASON_CHARS = 160  # of a regression's failure message in the table
 
 
 class UsageError(Exception):
@@ -68,11 +73,19 @@ def diffusers_version(python: str) -> str:
     return found.stdout.strip()
 
 
-def test_tree(version: str, cache: Path, diffusers_git: str | None, test_files: tuple[str, ...]) -> Path:
+def tree_for_version(version: str, cache: Path, diffusers_git: str | None, test_files: tuple[str, ...]) -> Path:
     """The cached test tree for ``version``, extracted from ``diffusers_git`` first if it is not there yet."""
     tree = cache / f"v{version}"
-    if all((tree / path).exists() for path in SUPPORT_PATHS + test_files):
-        return tree
+    upstream_files = tuple(path for path in test_files if path not in EXTRA_CASES.values())
+    if not all((tree / path).exists() for path in SUPPORT_PATHS + upstream_files):
+        extract(version, tree, diffusers_git, upstream_files)
+    for case, destination in EXTRA_CASES.items():
+        shutil.copyfile(HERE / "cases" / case, tree / destination)
+    return tree
+
+
+def extract(version: str, tree: Path, diffusers_git: str | None, test_files: tuple[str, ...]) -> None:
+    """Write the test files of `version`'s tag (TEST_TREE_TAGS) and what they import into `tree`."""
     if version not in TEST_TREE_TAGS:
         raise UsageError(f"diffusers {version}: no test tree tag known; known versions: {sorted(TEST_TREE_TAGS)}")
     if not diffusers_git:
@@ -90,7 +103,6 @@ def test_tree(version: str, cache: Path, diffusers_git: str | None, test_files: 
     (partial / "SOURCE").write_text(f"diffusers {tag} from {diffusers_git}\n")
     shutil.rmtree(tree, ignore_errors=True)
     partial.rename(tree)
-    return tree
 
 
 def run_pytest(python: str, tree: Path, mode: str, test_files: tuple[str, ...], selection: str | None,
@@ -106,28 +118,34 @@ def run_pytest(python: str, tree: Path, mode: str, test_files: tuple[str, ...], 
     return time.monotonic() - start
 
 
-def outcomes(junit: Path) -> dict[str, str]:
-    """Test id (``file::Class::test``) -> passed / failed / skipped, from a JUnit XML report (errors count as failed)."""
+def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
+    """Test id (``file::Class::test``) -> (passed / failed / skipped, the failure's first line), from a JUnit XML
+    report; errors count as failed."""
     results = {}
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
         test_id = f"{case.get('classname')}::{case.get('name')}"
-        kinds = {child.tag for child in case}
-        results[test_id] = ("failed" if kinds & {"failure", "error"} else
-                            "skipped" if "skipped" in kinds else "passed")
+        failures = [child for child in case if child.tag in ("failure", "error")]
+        if failures:
+            message = (failures[0].get("message") or "").split("\n")[0]
+            results[test_id] = ("failed", message[:REASON_CHARS])
+        else:
+            results[test_id] = ("skipped" if any(child.tag == "skipped" for child in case) else "passed", "")
     return results
 
 
-def comparison(results: dict[str, dict[str, dict[str, str]]], seconds: dict[str, dict[str, float]]) -> tuple[str, dict]:
-    """Markdown table and the regressions per version and mode."""
+def comparison(results: dict[str, dict[str, dict[str, tuple[str, str]]]],
+               seconds: dict[str, dict[str, float]]) -> tuple[str, dict]:
+    """Markdown table, and the regressions (test id -> failure message) per version and mode."""
     lines = ["| diffusers | processors | passed | failed | skipped | regressions | fixed | time (s) |",
              "|---|---|---|---|---|---|---|---|"]
     regressions = {}
     for version, by_mode in results.items():
-        baseline = by_mode.get(BASELINE_MODE, {})
+        baseline = {test: outcome for test, (outcome, _) in by_mode.get(BASELINE_MODE, {}).items()}
         for mode, tests in by_mode.items():
-            counts = {outcome: sum(1 for value in tests.values() if value == outcome) for outcome in OUTCOMES}
-            regressed = sorted(t for t, value in tests.items() if value == "failed" and baseline.get(t) == "passed")
-            fixed = sorted(t for t, value in tests.items() if value == "passed" and baseline.get(t) == "failed")
+            counts = {outcome: sum(1 for value, _ in tests.values() if value == outcome) for outcome in OUTCOMES}
+            regressed = {test: reason for test, (value, reason) in sorted(tests.items())
+                         if value == "failed" and baseline.get(test) == "passed"}
+            fixed = [test for test, (value, _) in tests.items() if value == "passed" and baseline.get(test) == "failed"]
             regressions.setdefault(version, {})[mode] = regressed
             marks = ("-", "-") if mode == BASELINE_MODE else (len(regressed), len(fixed))
             lines.append(f"| {version} | {mode} | {counts['passed']} | {counts['failed']} | {counts['skipped']} | "
@@ -137,7 +155,7 @@ def comparison(results: dict[str, dict[str, dict[str, str]]], seconds: dict[str,
         for mode, regressed in by_mode.items():
             if regressed:
                 lines.append(f"Regressions, diffusers {version}, {mode}:")
-                lines += [f"- {test}" for test in regressed]
+                lines += [f"- `{test}`: {reason}" for test, reason in regressed.items()]
                 lines.append("")
     return "\n".join(lines), regressions
 
@@ -154,6 +172,7 @@ def parse_args(argv):
                         help="where the test trees are cached, one v<version>/ each (default $DIFFUSERS_TESTS)")
     parser.add_argument("--diffusers-git", default=os.environ.get("DIFFUSERS_GIT"),
                         help="git directory of diffusers' repository holding the tags (default $DIFFUSERS_GIT)")
+    parser.add_argument("--jobs", type=int, default=1, help="pytest runs at once (each is one process)")
     parser.add_argument("--output", default="upstream-results", help="folder for the logs, JUnit XML and table")
     args = parser.parse_args(argv)
     args.modes = tuple(args.modes.split(","))
@@ -174,19 +193,29 @@ def main(argv=None) -> int:
         plan = []
         for python in args.python:
             version = diffusers_version(python)
-            plan.append((python, version, test_tree(version, Path(args.tests_cache), args.diffusers_git, args.files)))
+            tree = tree_for_version(version, Path(args.tests_cache), args.diffusers_git, args.files)
+            plan.append((python, version, tree))
     except UsageError as error:
         print(f"run_upstream: {error}", file=sys.stderr)
         return 2
-    results, seconds = {}, {}
-    for python, version, tree in plan:
-        for mode in args.modes:
-            stem = output / f"diffusers-{version}-{mode}"
-            elapsed = run_pytest(python, tree, mode, args.files, args.selection, stem.with_suffix(".xml"),
-                                 stem.with_suffix(".log"))
-            results.setdefault(version, {})[mode] = outcomes(stem.with_suffix(".xml"))
-            seconds.setdefault(version, {})[mode] = elapsed
-            print(f"diffusers {version} {mode}: {elapsed:.0f} s", flush=True)
+    results = {version: {} for _, version, _ in plan}
+    seconds = {version: {} for _, version, _ in plan}
+
+    def run(python: str, version: str, tree: Path, mode: str) -> None:
+        name = f"diffusers-{version}-{mode}"
+        junit = output / f"{name}.xml"
+        elapsed = run_pytest(python, tree, mode, args.files, args.selection, junit, output / f"{name}.log")
+        if not junit.exists():
+            raise RuntimeError(f"diffusers {version} {mode}: pytest wrote no report; see {output / name}.log")
+        results[version][mode] = outcomes(junit)
+        seconds[version][mode] = elapsed
+        print(f"diffusers {version} {mode}: {elapsed:.0f} s", flush=True)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        runs = [pool.submit(run, python, version, tree, mode) for python, version, tree in plan for mode in args.modes]
+        for finished in runs:
+            finished.result()
+    results = {version: {mode: by_mode[mode] for mode in args.modes} for version, by_mode in results.items()}
     table, regressions = comparison(results, seconds)
     sources = "\n".join(f"- diffusers {version}: tests from {(tree / 'SOURCE').read_text().strip()}"
                         if (tree / "SOURCE").exists() else f"- diffusers {version}: tests from {tree}"
