@@ -119,11 +119,12 @@ def run_pytest(python: str, tree: Path, mode: str, test_files: tuple[str, ...], 
 
 
 def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
-    """Test id (``file::Class::test``) -> (passed / failed / skipped, the failure's first line), from a JUnit XML
+    """Test id (``test_file.py::Class::test``) -> (passed / failed / skipped, the failure's first line), from a JUnit XML
     report; errors count as failed."""
     results = {}
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
-        test_id = f"{case.get('classname')}::{case.get('name')}"
+        module, cls = case.get("classname").rsplit(".", 1)
+        test_id = f"{module.rsplit('.', 1)[-1]}.py::{cls}::{case.get('name')}"
         failures = [child for child in case if child.tag in ("failure", "error")]
         if failures:
             message = (failures[0].get("message") or "").split("\n")[0]
