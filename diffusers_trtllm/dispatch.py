@@ -67,7 +67,8 @@ def set_dispatch_config(config: AttentionConfig | dict | str | None) -> None:
             "skip_softmax.disabled_until_timestep and target_sparsity need the pipeline's timestep and "
             "calibration (enable_trtllm_attention); set_dispatch_config takes skip_softmax.threshold only")
     spec = config.default
-    call = AttentionCall(CallSite("*", "*", "attention", "*"), "default", spec.backend, False, spec.quant, skip)
+    call = AttentionCall(CallSite("*", "*", "attention", "*"), "default", spec.backend, False, spec.quant, skip,
+                         planned=False)
     call.skip_value.fill_(call.step_value(None))
     _DEFAULT_CALL[:] = [call]
 
@@ -86,15 +87,17 @@ def run_call(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value:
         call.probe(call.site, packed_problem(query, key, value, valid_lengths)[0], scale=scale, causal=causal,
                    tile=call.tile)
         skip_value = torch.zeros_like(skip_value)
-    if call.backend == TORCH_SDPA and valid_lengths is None:
+    if call.backend == TORCH_SDPA and call.planned and valid_lengths is None:
         # Differentiable and traced by inductor like diffusers' native backend.
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                              is_causal=causal, scale=scale,
                                              enable_gqa=query.shape[2] != key.shape[2])
+        if call.counts is not None:
+            call.counts[2] += 1  # a call that counts no tiles (see ops.attention)
         return out.transpose(1, 2)
     return torch.ops.diffusers_trtllm.attention(
         query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, call.counts,
-        call.backend, scale, causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1])
+        call.backend, scale, causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
 
 
 def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

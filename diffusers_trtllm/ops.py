@@ -26,7 +26,7 @@ import torch
 
 from .backends import run_backend, select_backend
 from .backends.base import KernelPlan, VarlenQKV
-from .config import AUTO, AttnQuantSpec
+from .config import AttnQuantSpec
 
 
 def encode_quant(quant: AttnQuantSpec | None) -> str:
@@ -42,15 +42,17 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
 @torch.library.custom_op("diffusers_trtllm::attention", mutates_args=("counts",))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
               skip_value: torch.Tensor, counts: torch.Tensor | None, backend: str, scale: float, causal: bool,
-              quant: str, per_kv_len: bool, tile_q: int, tile_kv: int) -> torch.Tensor:
+              quant: str, per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool) -> torch.Tensor:
     """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``; returns a tensor shaped and typed like q.
 
     ``valid_lengths`` (int CPU tensor ``[B]``, self-attention only): sample ``b`` attends among its first
     ``valid_lengths[b]`` tokens only (HunyuanVideo's joint sequence with padded text); the other rows are 0.
+    ``planned``: the backend was chosen for this call site at install; otherwise it is checked (explicit) or
+    chosen (``auto``) here, once per kind of call.
     """
     qkv, rows = packed_problem(q, k, v, valid_lengths)
-    if backend == AUTO:
-        backend = auto_backend(qkv, causal, skip_value, quant)
+    if not planned:
+        backend = unplanned_backend(backend, qkv, causal, skip_value, quant)
     value = float(skip_value)
     factor = value * qkv.max_seqlen_kv if per_kv_len else value
     plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor, quant=decode_quant(quant),
@@ -68,7 +70,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
 
 
 @attention.register_fake
-def _(q, k, v, valid_lengths, skip_value, counts, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv):
+def _(q, k, v, valid_lengths, skip_value, counts, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv,
+      planned):
     return torch.empty_like(q)
 
 
@@ -91,19 +94,21 @@ def packed_rows(lengths: tuple[int, ...], seq_len: int, device: torch.device) ->
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-_AUTO_CHOICES: dict[tuple, str] = {}
+_UNPLANNED_CHOICES: dict[tuple, str] = {}
 
 
-def auto_backend(qkv: VarlenQKV, causal: bool, skip_value: torch.Tensor, quant: str) -> str:
-    """``auto`` resolved for calls that were not planned at install (``set_attention_backend("trtllm")`` and the
-    processors' unbound form), once per kind of call; a dropped feature warns once."""
-    key = (qkv.q.device, qkv.q.dtype, qkv.head_dim, qkv.q.shape[1], qkv.k.shape[1], causal, bool(skip_value), quant)
-    if key not in _AUTO_CHOICES:
-        plan = KernelPlan(backend=AUTO, scale=1.0, causal=causal, skip_factor=float(bool(skip_value)),
+def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: torch.Tensor, quant: str) -> str:
+    """The backend of a call not planned at install (``set_attention_backend("trtllm")``, the processors' unbound
+    form), chosen once per kind of call: an explicit one that cannot run raises with its reason; ``auto`` that
+    drops a feature warns once."""
+    key = (requested, qkv.q.device, qkv.q.dtype, qkv.head_dim, qkv.q.shape[1], qkv.k.shape[1], causal,
+           bool(skip_value), quant)
+    if key not in _UNPLANNED_CHOICES:
+        plan = KernelPlan(backend=requested, scale=1.0, causal=causal, skip_factor=float(bool(skip_value)),
                           quant=decode_quant(quant))
-        choice = select_backend(AUTO, plan, qkv)
+        choice = select_backend(requested, plan, qkv)
         if choice.dropped:
             warnings.warn(f"diffusers_trtllm: auto runs attention dense on {qkv.q.device}: {choice.dropped}",
                           stacklevel=2)
-        _AUTO_CHOICES[key] = choice.name
-    return _AUTO_CHOICES[key]
+        _UNPLANNED_CHOICES[key] = choice.name
+    return _UNPLANNED_CHOICES[key]

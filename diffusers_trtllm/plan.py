@@ -71,6 +71,8 @@ class AttentionCall:
     calibration: SkipCalibration | None = None
     tile: tuple[int, int] = DEFAULT_TILE
     dropped: str = ""
+    #: the backend was chosen for this site at install (else the op checks or chooses it at the first call)
+    planned: bool = True
     skip_value: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     counts: torch.Tensor | None = None
     #: the spec's Skip-Softmax even where ``auto`` dropped it: what a calibration probe counts.

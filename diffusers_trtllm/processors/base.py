@@ -83,7 +83,7 @@ class TrtllmAttnProcessor:
                     f"and the transformer's calibration, which {cls.__name__} alone does not see: install with "
                     "diffusers_trtllm.enable_trtllm_attention(pipe, config), or set skip_softmax.threshold only")
             call = AttentionCall(CallSite("transformer", "*", role, traits.category), key, spec.backend,
-                                 traits.causal, spec.quant if traits.quant_ok else None, skip)
+                                 traits.causal, spec.quant if traits.quant_ok else None, skip, planned=False)
             call.skip_value.fill_(call.step_value(None))
             calls[role] = call
         return calls
