@@ -3,6 +3,7 @@ undo it."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Mapping
@@ -128,7 +129,7 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
                           stacklevel=2)
             for component, transformer in transformers.items():
                 cls = classes[component]
-                clock.timestep_hook(transformer, lambda bound, names=cls.TIMESTEP_ARGUMENTS: _first(bound, names))
+                clock.timestep_hook(transformer, functools.partial(read_timestep_arguments, names=cls.TIMESTEP_ARGUMENTS))
     except Exception:
         handle.restore()
         raise
@@ -194,6 +195,7 @@ def _gated(planner: CallPlanner) -> bool:
     return any(c.skip is not None and c.skip.disabled_until_timestep > 0 for c in planner.calls.values())
 
 
-def _first(bound: dict, names: tuple[str, ...]):
+def read_timestep_arguments(bound: dict, names: tuple[str, ...]) -> torch.Tensor | None:
+    """The raw timesteps a transformer call got in its arguments ``names`` (all noisy modalities), or None."""
     present = [t.flatten() for name in names if (t := bound.get(name)) is not None and torch.is_tensor(t) and t.numel()]
     return torch.cat(present) if present else None
