@@ -92,11 +92,11 @@ def run_call(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value:
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                              is_causal=causal, scale=scale,
                                              enable_gqa=query.shape[2] != key.shape[2])
-        if call.counts is not None:
+        if call.counting:
             call.counts[2] += 1  # a call that counts no tiles (see ops.attention)
         return out.transpose(1, 2)
     return torch.ops.diffusers_trtllm.attention(
-        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, call.counts,
+        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, call.counts, call.counting,
         call.backend, scale, causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
 
 

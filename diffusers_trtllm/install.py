@@ -116,6 +116,8 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
 
     scheduler = None if isinstance(pipe, torch.nn.Module) else getattr(pipe, "scheduler", None)
     num_train = getattr(getattr(scheduler, "config", None), "num_train_timesteps", None) or 1000
+    if not (hasattr(scheduler, "set_timesteps") and hasattr(scheduler, "step")):
+        scheduler = None
     clock = DenoisingClock(planner, AttentionStats(), num_train)
     handle = TrtllmAttentionHandle(planner, clock)
     try:

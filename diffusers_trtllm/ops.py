@@ -9,8 +9,9 @@ What changes during a run reaches the op as tensors, so it never forces a recomp
 - ``skip_value``: a 0-dim float64 tensor on the CPU, updated in place once per denoising step by the planner:
   0 runs dense; otherwise FlashInfer's threshold scale factor, or λ when ``per_kv_len`` (the factor is then
   λ · the longest key length of the call). Reading it in the op is a host read, never a device sync.
-- ``counts``: int64 ``[4]`` on q's device, accumulated in place: skipped KV tiles, tiles, calls, calls whose
-  backend counted tiles. Statistics read it once per step, outside the traced region.
+- ``counts``: int64 ``[4]`` on q's device, accumulated in place when ``count``: skipped KV tiles, tiles,
+  calls, calls whose backend counted tiles. Statistics read it once per step, outside the traced region. (Always
+  a tensor: an optional mutated argument trips inductor.)
 - ``valid_lengths``: an int CPU tensor of each sample's valid prefix (HunyuanVideo's padded text), read on
   the host once per transformer call by the processors' pre-hook, or None.
 """
@@ -41,8 +42,8 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
 
 @torch.library.custom_op("diffusers_trtllm::attention", mutates_args=("counts",))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
-              skip_value: torch.Tensor, counts: torch.Tensor | None, backend: str, scale: float, causal: bool,
-              quant: str, per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool) -> torch.Tensor:
+              skip_value: torch.Tensor, counts: torch.Tensor, count: bool, backend: str, scale: float,
+              causal: bool, quant: str, per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool) -> torch.Tensor:
     """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``; returns a tensor shaped and typed like q.
 
     ``valid_lengths`` (int CPU tensor ``[B]``, self-attention only): sample ``b`` attends among its first
@@ -56,9 +57,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
     value = float(skip_value)
     factor = value * qkv.max_seqlen_kv if per_kv_len else value
     plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor, quant=decode_quant(quant),
-                      tile=(tile_q, tile_kv), count_skips=counts is not None)
+                      tile=(tile_q, tile_kv), count_skips=count)
     result = run_backend(backend, qkv, plan)
-    if counts is not None:
+    if count:
         counts[2] += 1
         if result.skipped_tiles is not None:
             counts[0] += result.skipped_tiles
@@ -70,8 +71,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
 
 
 @attention.register_fake
-def _(q, k, v, valid_lengths, skip_value, counts, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv,
-      planned):
+def _(q, k, v, valid_lengths, skip_value, counts, count, backend, scale, causal, quant, per_kv_len, tile_q,
+      tile_kv, planned):
     return torch.empty_like(q)
 
 

@@ -74,7 +74,9 @@ class AttentionCall:
     #: the backend was chosen for this site at install (else the op checks or chooses it at the first call)
     planned: bool = True
     skip_value: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
-    counts: torch.Tensor | None = None
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.int64))
+    #: the op adds to ``counts`` (statistics are on and the site was planned for the device ``counts`` is on)
+    counting: bool = False
     #: the spec's Skip-Softmax even where ``auto`` dropped it: what a calibration probe counts.
     requested_skip: SkipSoftmaxSpec | None = None
     #: calibration only (eager): this step's calls that would skip go to ``probe`` and then run dense.
@@ -203,10 +205,9 @@ class CallPlanner:
 
     def _allocate_counts(self, device: torch.device) -> None:
         for call in self.calls.values():
-            if not self.collect_stats:
-                call.counts = None
-            elif call.counts is None or call.counts.device != device:
+            if call.counts.device != device:
                 call.counts = torch.zeros(4, dtype=torch.int64, device=device)
+            call.counting = self.collect_stats
 
     # --- once per denoising step ----------------------------------------------------------------------------------
     def plan_step(self, timestep: float | None) -> None:

@@ -45,7 +45,7 @@ class AttentionStats:
     def close_step(self, step: int, calls: Iterable) -> None:
         """Keep a copy of each call site's device counters as step ``step`` and zero them (no host sync)."""
         for call in calls:
-            if call.counts is None:
+            if not call.counting:
                 continue
             mode = call.mode(bool(call.skip_value))
             self._pending.append((step, call.site.qualified_layer, call.backend, mode, call.counts.clone()))
