@@ -246,13 +246,13 @@ def _blackwell_reason(plan: KernelPlan, qkv: VarlenQKV, arch: str) -> str | None
 
 def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     """``None`` when TRTLLM_ATTN can run ``plan`` on ``qkv`` on their device, else a sentence saying why not."""
+    arch = gpu_arch(qkv.q.device)
+    if arch is None:  # first: the other limits do not matter on a machine without the GPU
+        return (f"the tensors are on {qkv.q.device}; TRTLLM_ATTN needs a CUDA GPU with TRT-LLM kernels: "
+                "sm_90 (H100/H200) or sm_100/sm_103 (B200/B300)")
     reason = _common_reason(plan, qkv)
     if reason is not None:
         return reason
-    arch = gpu_arch(qkv.q.device)
-    if arch is None:
-        return (f"the tensors are on {qkv.q.device}; TRTLLM_ATTN needs a CUDA GPU with TRT-LLM kernels: "
-                "sm_90 (H100/H200) or sm_100/sm_103 (B200/B300)")
     if arch in FMHA_V2_ARCHS:
         return _hopper_reason(plan, qkv)
     if arch in TRTLLM_GEN_ARCHS:
