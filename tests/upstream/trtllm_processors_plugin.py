@@ -21,9 +21,6 @@ tests, which diffusers only runs on an accelerator, so graph breaks and recompil
 from __future__ import annotations
 
 import functools
-import types
-
-import pytest
 
 #: the diffusers model classes this package has processors for.
 MODEL_CLASSES = ("WanTransformer3DModel", "HunyuanVideo15Transformer3DModel", "Cosmos3OmniTransformer")
@@ -51,22 +48,14 @@ class InstallCount:
         self.models = 0
 
 
-def install_processors(model, attention_config: dict):
-    """Install this package's processors on a bare transformer, with a 1000-step scheduler's timestep scale."""
-    from diffusers_trtllm import enable_trtllm_attention
-
-    # enable_trtllm_attention takes a pipeline: a holder with the transformer and a scheduler config stands in.
-    pipeline_like = types.SimpleNamespace(
-        transformer=model, scheduler=types.SimpleNamespace(config=types.SimpleNamespace(num_train_timesteps=1000)))
-    return enable_trtllm_attention(pipeline_like, attention_config)
-
-
 def patch_model_construction(attention_config: dict) -> tuple[InstallCount, callable]:
     """Wrap ``__init__`` of every class in :data:`MODEL_CLASSES` so each new model gets the processors.
 
     Returns the install counter and a function that undoes the patch.
     """
     import diffusers
+
+    from diffusers_trtllm import enable_trtllm_attention
 
     count = InstallCount()
     originals = {}
@@ -78,7 +67,7 @@ def patch_model_construction(attention_config: dict) -> tuple[InstallCount, call
         def init_then_install(self, *args, __original=original, __cls=cls, **kwargs):
             __original(self, *args, **kwargs)
             if type(self) is __cls:  # a subclass's own wrapper, if any, installs once its __init__ is complete
-                install_processors(self, attention_config)
+                enable_trtllm_attention(self, attention_config)
                 count.models += 1
 
         cls.__init__ = init_then_install
