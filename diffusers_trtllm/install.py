@@ -87,7 +87,7 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
     try:
         for component, transformer in transformers.items():
             sites += _install(handle, component, transformer)
-        session.config.check_keys(sites)
+        session.resolved = session.config.resolve_sites(sites)
         _check_calibrations(session, sites)
     except Exception:
         handle.restore()
@@ -130,8 +130,7 @@ def _merge_calibrations(transformers, explicit) -> dict[str, SkipCalibration]:
 
 def _check_calibrations(session: AttentionSession, sites) -> None:
     """Fail at install time, not mid-generation, when a target_sparsity spec meets an uncalibrated component."""
-    for component, layer, role, category in sites:
-        _, spec = session.config.resolve(component, layer, role, category)
+    for (component, layer, _, _), (_, spec) in session.resolved.items():
         if spec.skip_softmax is not None and spec.skip_softmax.target_sparsity is not None \
                 and component not in session.calibrations:
             raise AttentionConfigError(

@@ -98,7 +98,8 @@ def plan_attention(session: AttentionSession, site: CallSite, qkv: VarlenQKV, *,
                    ) -> AttentionPlan:
     """Decide how one attention call runs. ``sparse_ok`` / ``quant_ok`` are False for attention that must stay
     dense / unquantized whatever the config says (the processor knows; the plan's notes say so)."""
-    key, spec = session.config.resolve(site.component, site.layer, site.role, site.category)
+    site_key = (site.component, site.layer, site.role, site.category)
+    key, spec = session.resolved.get(site_key) or session.config.resolve(*site_key)
     notes: list[str] = []
     factor = skip_factor(spec, site, session, qkv.max_seqlen_kv, notes)
     quant = spec.quant
