@@ -70,8 +70,13 @@ class SkipSoftmaxSpec:
 
     Exactly one of ``target_sparsity`` (a point on a calibrated curve, factor = a·exp(b·s)) and ``threshold``
     (λ itself: a KV tile is skipped when every row's ``exp(tile_max - running_max) < λ``) is set, or neither
-    (then only the gate is configured and nothing is skipped). Skipping is off while the normalized timestep
-    t = timestep / num_train_timesteps is above ``disabled_until_timestep`` (0 = never off).
+    (then only the gate is configured and nothing is skipped). The kernels take one threshold scale factor per call
+    and divide it by each sequence's key length, so an explicit ``threshold`` λ becomes the factor λ·max_kv_len and
+    on a ragged batch (HunyuanVideo 1.5's per-sample text lengths) sequence i skips with λ·max_kv_len / kv_len_i:
+    the longest gets λ, shorter ones a larger λ. The reference backend does exactly the same.
+
+    Skipping is off while the normalized timestep t = timestep / num_train_timesteps is above
+    ``disabled_until_timestep`` (0 = never off).
     """
 
     target_sparsity: float | None = None

@@ -66,6 +66,8 @@ def test_threshold_at_or_above_one_warns():
     (dict(dtype_qk="int8", k_block_size=32), "quant.k_block_size", "32"),
     (dict(dtype_qk="int8", k_block_size=0), "quant.k_block_size", "0"),
     (dict(dtype_qk="int8", q_block_size=True), "quant.q_block_size", "True"),
+    (dict(dtype_qk="int8", q_block_size=16.0), "quant.q_block_size", "16.0"),  # a float is not a block size
+    (dict(dtype_qk="int8", k_block_size=16.0), "quant.k_block_size", "16.0"),
 ])
 def test_invalid_quant_values(kwargs, field, value):
     with pytest.raises(AttentionConfigError) as err:
