@@ -136,5 +136,5 @@ def _check_calibrations(session: AttentionSession, sites) -> None:
             raise AttentionConfigError(
                 f"skip_softmax.target_sparsity={spec.skip_softmax.target_sparsity} applies to {component}.{layer} "
                 f"but {component!r} has no Skip-Softmax calibration: load a calibrated checkpoint, run "
-                "diffusers_trtllm.calibration.calibrate(pipe, prompts), pass calibrations={...}, or set "
+                "diffusers_trtllm.calibrate(pipe, prompts), pass calibrations={...}, or set "
                 "skip_softmax.threshold (λ) instead")

@@ -74,7 +74,7 @@ def skip_factor(spec: AttentionSpec, site: CallSite, session: AttentionSession, 
         raise AttentionConfigError(
             f"skip_softmax.target_sparsity={skip.target_sparsity} needs a Skip-Softmax calibration for component "
             f"{site.component!r}, and it has none: load a calibrated checkpoint (its config.json carries "
-            "'sparse_attention_config'), run diffusers_trtllm.calibration.calibrate(pipe, prompts), or set "
+            "'sparse_attention_config'), run diffusers_trtllm.calibrate(pipe, prompts), or set "
             "skip_softmax.threshold (λ) instead")
     if calibration.keeps_dense(site.layer):
         notes.append(f"dense: {site.layer} is kept dense by {site.component}'s calibration (ignore/targets)")

@@ -49,7 +49,7 @@ class AttentionSession:
         self._warned: set[str] = set()
         # (component, layer, role, category) -> (per_role key, spec), resolved for all sites at install time
         self.resolved: dict = {}
-        # Calibration (diffusers_trtllm.calibration.calibrate) sets this: every call that would skip is handed to
+        # Calibration (diffusers_trtllm.calibrate) sets this: every call that would skip is handed to
         # it as (site, qkv, scale=, causal=, tile=) to count skips for many λ, and then runs dense.
         self.skip_probe: Callable | None = None
 

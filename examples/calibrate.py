@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusers_trtllm.calibration import CalibrationResult, calibrate
+from diffusers_trtllm import CalibrationResult, calibrate
 
 DEFAULT_PROMPTS = ["A red fox runs through fresh snow at dawn, cinematic",
                    "Waves break on black volcanic rocks under a stormy sky",
@@ -78,16 +78,6 @@ def plot(result: CalibrationResult, path: Path) -> None:
     plt.close(fig)
 
 
-def summary(result: CalibrationResult) -> str:
-    lines = ["| component | a | b | R² (log) | observed sparsity | λ at s=0.3 / 0.5 / 0.7 |", "|---|---:|---:|---:|---|---|"]
-    for component, fit in result.fits.items():
-        cal, kv_len = fit.calibration, fit.points[0]["kv_len"]
-        lams = " / ".join(f"{cal.factor(s) / kv_len:.3g}" for s in (0.3, 0.5, 0.7))
-        lo, hi = cal.sparsity_range
-        lines.append(f"| {component} | {cal.a:.4g} | {cal.b:.4g} | {fit.r_squared:.3f} | {lo:.3f}–{hi:.3f} | {lams} |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> CalibrationResult:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model id or path (default: tiny built-in Wan 2.2 pipeline)")
@@ -122,7 +112,7 @@ def main(argv=None) -> CalibrationResult:
         pipe.save_pretrained(args.output_dir)
     result.save(args.output_dir, pipe)
     plot(result, args.output_dir / "calibration.png")
-    print(summary(result))
+    print(result.summary())
     print(f"wrote {args.output_dir} (config.json + {len(result.fits)} sidecar(s)) and calibration.png")
     return result
 
