@@ -211,3 +211,9 @@ def test_explicit_threshold_on_a_ragged_batch_gives_each_sequence_lambda_max_len
     assert skipped > 0
     (record,) = processor.session.stats.records.values()
     assert int(record.skipped) == skipped
+
+
+def test_query_heads_must_be_a_multiple_of_key_heads_for_every_backend():
+    """Checked where every backend's input is built, so no kernel path (trtllm-gen included) can miss it."""
+    with pytest.raises(ValueError, match="query heads 6 not a multiple of key heads 4"):
+        VarlenQKV.from_bshd(torch.randn(1, 8, 6, 32), torch.randn(1, 8, 4, 32), torch.randn(1, 8, 4, 32))
