@@ -154,3 +154,13 @@ def test_tile_is_the_tile_counted():
     assert [p["sparsity"] for p in small] != [p["sparsity"] for p in wide]
     with pytest.raises(ValueError, match=r"tile=\(0, 128\) is invalid"):
         calibrate(pipe, PROMPTS[0], tile=(0, 128), progress=False, **shape)
+
+
+def test_sparse_roles_the_model_lacks_raise_before_running():
+    from diffusers_trtllm import AttentionConfigError
+    from diffusers_trtllm.tiny_pipelines import tiny_hunyuan_video15_pipeline
+
+    pipe = tiny_hunyuan_video15_pipeline()
+    with pytest.raises(AttentionConfigError, match=r"'self' matches no attention layer.*roles \['joint_attn'\]"):
+        calibrate(pipe, PROMPTS[0], height=128, width=192, num_frames=5, num_inference_steps=1,
+                  sparse_roles=("self",), progress=False)
