@@ -18,8 +18,8 @@ import json
 import math
 import warnings
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from fnmatch import fnmatchcase
+from types import MappingProxyType
 from typing import Mapping, Sequence
 
 from .errors import AttentionConfigError, invalid
@@ -39,7 +39,8 @@ QK_DTYPES = ("int8", "fp8_e4m3")
 SAGE_BLOCK_SIZES = (1, 4, 16)  # Q/K blocks of the Triton kernel and trtllm-gen (K)
 SAGE_Q_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64,)  # 64: Hopper FMHAv2 SAGE
 SAGE_K_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64, 128)
-# One attention call site: (component, layer, role, category), e.g. ("transformer_2", "blocks.3.attn1", "self_attn", "self").
+# One attention call site: (component, layer, role, category), e.g.
+# ("transformer_2", "blocks.3.attn1", "self_attn", "self").
 Site = tuple[str, str, str, str]
 
 

@@ -130,8 +130,9 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     sparse = {"backend": backend, "skip_softmax": {"threshold": PROBE_THRESHOLD,
                                                    "disabled_until_timestep": disabled_until_timestep}}
-    config = {"default": {"backend": backend},
-              "per_role": {**{role: sparse for role in sparse_roles}, **{name: {"backend": backend} for name in ignore}}}
+    dense = {"backend": backend}
+    config = {"default": dense,
+              "per_role": {**{role: sparse for role in sparse_roles}, **{name: dense for name in ignore}}}
     probe = _SkipProbe(lambdas, tile)
     with enable_trtllm_attention(pipe, config, collect_stats=False) as handle:
         served = {component: tuple(sorted(p.layer for p in getattr(pipe, component).attn_processors.values()

@@ -89,7 +89,8 @@ class CalibrationResult:
         λ is refused (the cell says so, and a note under the table says why) for a target outside the sparsity
         range the component was calibrated over: the curve was never measured there.
         """
-        header = ["component", "a", "b", "R² (log)", "observed sparsity", "kv_len"] + [f"λ at s={s:g}" for s in targets]
+        header = ["component", "a", "b", "R² (log)", "observed sparsity", "kv_len"]
+        header += [f"λ at s={s:g}" for s in targets]
         lines = ["| " + " | ".join(header) + " |", "|---|---:|---:|---:|---|---:|" + "---:|" * len(targets)]
         refused = False
         for component, fit in self.fits.items():
