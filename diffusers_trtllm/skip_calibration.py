@@ -13,6 +13,7 @@ This module sits above ``install`` and ``calibration`` (it uses both), so that n
 from __future__ import annotations
 
 import platform
+import warnings
 from collections import defaultdict
 from typing import Sequence
 
@@ -106,7 +107,8 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
             per model family (:data:`DEFAULT_SPARSE_ROLES`: Wan ``self_attn``, HunyuanVideo 1.5 ``joint_attn``,
             Cosmos 3 ``gen_full``). Other layers are dense and written to the checkpoint's ``ignore`` list.
         ignore: more layers kept dense, as names or fnmatch patterns (``"blocks.0.*"``).
-        target_sparsity: the target to suggest in the checkpoint (optional).
+        target_sparsity: the target to suggest in the checkpoint (optional; warns when outside the sparsity
+            observed, where the curve is an extrapolation).
         fit_range: sparsities kept for the fit.
         backend: the backend of the dense calls (``auto``: the best available).
         tile: ``(query rows, key columns)`` per skip decision, counted: the tile of the kernel the curve is for
@@ -166,6 +168,11 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
             target_sparsity=target_sparsity,
             disabled_until_timestep=disabled_until_timestep or None)
         fits[component] = ComponentFit(calibration, marked, r_squared, tuple(sorted(sparse_layers)), component)
+        if target_sparsity is not None and not min(used) <= target_sparsity <= max(used):
+            warnings.warn(f"{component}: the checkpoint will suggest target_sparsity={target_sparsity}, outside the "
+                          f"sparsity [{min(used):.3f}, {max(used):.3f}] observed while calibrating; its λ is an "
+                          "extrapolation. Suggest a target inside the range, or calibrate to reach it",
+                          stacklevel=2)
     settings = {"deployment": {"height": height, "width": width, "num_frames": num_frames,
                                "num_inference_steps": num_inference_steps,
                                "disabled_until_timestep": disabled_until_timestep},

@@ -164,3 +164,11 @@ def test_sparse_roles_the_model_lacks_raise_before_running():
     with pytest.raises(AttentionConfigError, match=r"'self' matches no attention layer.*roles \['joint_attn'\]"):
         calibrate(pipe, PROMPTS[0], height=128, width=192, num_frames=5, num_inference_steps=1,
                   sparse_roles=("self",), progress=False)
+
+
+def test_suggesting_a_target_outside_the_observed_sparsity_warns():
+    pipe = calibration_pipeline()
+    with pytest.warns(UserWarning, match=r"target_sparsity=0.95, outside the sparsity \[.*extrapolation"):
+        result = calibrate(pipe, PROMPTS[0], height=128, width=256, num_frames=5, num_inference_steps=1,
+                           lambdas=LAMBDAS, tile=(32, 32), fit_range=(0.0, 1.0), target_sparsity=0.95, progress=False)
+    assert result.fits["transformer"].calibration.target_sparsity == 0.95
