@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusers_trtllm.calibration import CalibrationResult, calibrate
+from diffusers_trtllm import CalibrationResult, calibrate
 
 DEFAULT_PROMPTS = ["A red fox runs through fresh snow at dawn, cinematic",
                    "Waves break on black volcanic rocks under a stormy sky",
@@ -69,23 +69,14 @@ def plot(result: CalibrationResult, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_ylim(0, 1)
     ax.set_xlabel("λ = factor / kv_len")
-    ax.set_ylabel("achieved sparsity (skipped 128×128 tiles)")
+    rows, cols = result.settings["calibration"]["tile"]
+    ax.set_ylabel(f"achieved sparsity (skipped {rows}×{cols} tiles)")
     ax.set_title("Skip-Softmax calibration: factor = a·exp(b·s)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def summary(result: CalibrationResult) -> str:
-    lines = ["| component | a | b | R² (log) | observed sparsity | λ at s=0.3 / 0.5 / 0.7 |", "|---|---:|---:|---:|---|---|"]
-    for component, fit in result.fits.items():
-        cal, kv_len = fit.calibration, fit.points[0]["kv_len"]
-        lams = " / ".join(f"{cal.factor(s) / kv_len:.3g}" for s in (0.3, 0.5, 0.7))
-        lo, hi = cal.sparsity_range
-        lines.append(f"| {component} | {cal.a:.4g} | {cal.b:.4g} | {fit.r_squared:.3f} | {lo:.3f}–{hi:.3f} | {lams} |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> CalibrationResult:
@@ -100,6 +91,8 @@ def main(argv=None) -> CalibrationResult:
     parser.add_argument("--lambda-min", type=float, default=1e-6)
     parser.add_argument("--lambda-max", type=float, default=1.0)
     parser.add_argument("--lambda-points", type=int, default=31)
+    parser.add_argument("--tile", type=int, nargs=2, default=(128, 128), metavar=("ROWS", "COLS"),
+                        help="skip tile counted: 128 128 (FMHAv2 bf16, Triton), 64 256 (Hopper FMHAv2 SAGE)")
     parser.add_argument("--target-sparsity", type=float, default=None, help="target to suggest in the checkpoint")
     parser.add_argument("--fit-range", type=float, nargs=2, default=(0.10, 0.90))
     parser.add_argument("--seed", type=int, default=0)
@@ -116,13 +109,14 @@ def main(argv=None) -> CalibrationResult:
     result = calibrate(pipe, prompts, height=args.height, width=args.width, num_frames=args.frames,
                        num_inference_steps=args.steps, disabled_until_timestep=args.gate,
                        lambdas=np.geomspace(args.lambda_min, args.lambda_max, args.lambda_points),
-                       target_sparsity=args.target_sparsity, fit_range=tuple(args.fit_range), seed=args.seed)
+                       target_sparsity=args.target_sparsity, fit_range=tuple(args.fit_range), seed=args.seed,
+                       tile=tuple(args.tile))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     if args.model is None:
         pipe.save_pretrained(args.output_dir)
     result.save(args.output_dir, pipe)
     plot(result, args.output_dir / "calibration.png")
-    print(summary(result))
+    print(result.summary())
     print(f"wrote {args.output_dir} (config.json + {len(result.fits)} sidecar(s)) and calibration.png")
     return result
 

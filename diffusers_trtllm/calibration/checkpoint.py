@@ -32,6 +32,7 @@ from typing import Mapping
 
 from ..config import AttentionConfig
 from ..errors import AttentionConfigError, invalid
+from ..version import __version__
 from .curve import SkipCalibration
 
 logger = logging.getLogger("diffusers_trtllm")
@@ -227,8 +228,6 @@ def _read_sidecar(component_dir: Path) -> dict | None:
 def sparse_attention_config(calibration: SkipCalibration, *, producer: Mapping | None = None) -> dict:
     """``calibration`` in ModelOpt 0.45+'s schema (what ``export_hf_checkpoint`` writes), plus
     ``disabled_until_timestep`` when set (as in NVIDIA's Wan 2.2 checkpoint; ModelOpt's reader ignores it)."""
-    from .. import __version__
-
     group = {"algorithm": "skip_softmax", "targets": list(calibration.targets)}
     if calibration.ignore:
         group["ignore"] = list(calibration.ignore)
