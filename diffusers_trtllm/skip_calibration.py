@@ -185,7 +185,7 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
 
 
 def _nothing_counted(pipe, served: dict, sparse_roles, gate: float) -> CalibrationError:
-    has = "; ".join(f"{component}: " + ", ".join(f"{role} ({category})" for role, category in
+    has = "; ".join(f"{component}: " + ", ".join(f"{role} ({traits.category})" for role, traits in
                                                   processor_class_for(getattr(pipe, component)).ROLES.items())
                     for component in served)
     gated = (f", or every step had t > disabled_until_timestep={gate} (the gate keeps them dense)"
