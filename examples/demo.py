@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
-from diffusers_trtllm.evaluation import VideoShape, export_frames, find_model, generate_frames, load_pipeline
+from evaluation import VideoShape, export_frames, find_model, generate_frames, load_pipeline
 
 REFERENCE_LABEL = "dense (TORCH_SDPA)"
 

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from diffusers_trtllm import enable_trtllm_attention
 from diffusers_trtllm.config import AttnQuantSpec, TORCH_REFERENCE, TRTLLM_ATTN
-from diffusers_trtllm.evaluation import (MODELS, PLAN_GATES, EvalConfig, LpipsScorer, ModelEntry,
+from evaluation import (MODELS, PLAN_GATES, EvalConfig, LpipsScorer, ModelEntry,
                                          RunRecord, TransformerTimer, VideoShape, describe_attention_plan,
                                          export_frames, find_model, generate_frames, load_pipeline, plan_tables,
                                          plot_quality_vs_speedup, plot_sparsity, psnr, sageattention_peer,

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import add_attention_args, config_from_args, enable_trtllm_attention
-from diffusers_trtllm.evaluation import (MODELS, TransformerTimer, VideoShape, describe_attention_plan,
+from evaluation import (MODELS, TransformerTimer, VideoShape, describe_attention_plan,
                                          entry_for_pipeline, export_frames, find_model, format_number,
                                          generate_frames, load_pipeline, synchronize)
 

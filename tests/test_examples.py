@@ -15,7 +15,7 @@ import torch
 
 from helpers import load_script
 
-from diffusers_trtllm.evaluation import (REFERENCE_LABEL, SAGE_ATTN_LABEL, LpipsScorer, compress_layer_names,
+from evaluation import (REFERENCE_LABEL, SAGE_ATTN_LABEL, LpipsScorer, compress_layer_names,
                                          format_number, psnr, sageattention_unavailable_reason, ssim)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -40,13 +40,14 @@ def test_registered_with_priority():
     assert backend.priority == 10 and backend.runner is trtllm.run
 
 
-def test_cpu_tensors_refused():
-    reason = trtllm.unavailable_reason(plan(), make_qkv())
-    assert "CUDA GPU" in reason and "cpu" in reason
+def test_cpu_tensors_refused_for_the_device_before_anything_else():
+    reason = trtllm.unavailable_reason(plan(), make_qkv(head_dim=16))  # head_dim 16 too: the device is the reason
+    assert "needs an NVIDIA sm_90" in reason and "none was found (device cpu)" in reason
+    assert trtllm.device_unavailable_reason("cpu") == reason
 
 
 def test_explicit_selection_raises_with_reason():
-    with pytest.raises(BackendUnavailableError, match="CUDA GPU"):
+    with pytest.raises(BackendUnavailableError, match="needs an NVIDIA sm_90"):
         select_backend(TRTLLM_ATTN, plan(), make_qkv())
 
 

@@ -58,6 +58,18 @@ class TrtllmAttnProcessor:
         purposes (HunyuanVideo 1.5's text refiner and its joint blocks both use diffusers' ``Attention``)."""
         return type(module).__name__ in cls.ATTENTION_CLASSES
 
+    def check_module(self, attn: torch.nn.Module) -> None:
+        """Raise ``TypeError`` when ``attn`` is not an attention module of the model this processor is made for
+        (``transformer.set_attn_processor`` accepts any processor; a wrong one would fail deep in the model code)."""
+        name = type(attn).__name__
+        if name in self.ATTENTION_CLASSES:
+            return
+        right = [cls.__name__ for cls in TrtllmAttnProcessor.__subclasses__() if name in cls.ATTENTION_CLASSES]
+        hint = f"; its processor is {right[0]}" if right else "; this package has no processor for it"
+        raise TypeError(f"{type(self).__name__} is made for {', '.join(self.TRANSFORMER_CLASSES)} "
+                        f"({', '.join(self.ATTENTION_CLASSES)} modules) but was called on a {name}{hint} "
+                        "(or use enable_trtllm_attention, which picks the processor from the model)")
+
     def call_site(self, attn: torch.nn.Module, role: str) -> CallSite:
         if self.layer is not None:
             component, layer = self.component, self.layer

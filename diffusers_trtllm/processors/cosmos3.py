@@ -50,6 +50,7 @@ class Cosmos3TrtllmAttnProcessor(TrtllmAttnProcessor):
     def __call__(self, attn, und_seq: torch.Tensor, gen_seq: torch.Tensor,
                  rotary_emb: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_module(attn)
         heads, kv_heads, head_dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
         q_und = attn.norm_q(attn.to_q(und_seq).view(-1, heads, head_dim))
         k_und = attn.norm_k(attn.to_k(und_seq).view(-1, kv_heads, head_dim))

@@ -58,6 +58,7 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor):
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
                  image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.check_module(attn)
         if not self.serves(attn):
             return self._refiner_processor(attn, hidden_states, encoder_hidden_states, attention_mask)
         query = attn.norm_q(_heads(attn.to_q, hidden_states, attn.heads))

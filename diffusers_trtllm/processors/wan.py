@@ -39,6 +39,7 @@ class WanTrtllmAttnProcessor(TrtllmAttnProcessor):
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
                  rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        self.check_module(attn)
         if attention_mask is not None:
             raise NotImplementedError("WanTrtllmAttnProcessor: Wan passes no attention_mask; got one of shape "
                                       f"{tuple(attention_mask.shape)}")

@@ -14,9 +14,9 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..backends.base import KernelPlan, KernelResult, VarlenQKV, get_backend, register_backend
-from ..cli import SAGE_PRESET
-from ..config import TORCH_SDPA, AttentionConfig, AttnQuantSpec
+from diffusers_trtllm.backends.base import KernelPlan, KernelResult, VarlenQKV, get_backend, register_backend
+from diffusers_trtllm.cli import SAGE_PRESET
+from diffusers_trtllm.config import TORCH_SDPA, AttentionConfig, AttnQuantSpec
 
 
 REFERENCE_LABEL = "TORCH_SDPA dense (ref)"

@@ -183,7 +183,7 @@ def load_pipeline(entry: ModelEntry, *, tiny: bool, device: str, dtype: torch.dt
     """The tiny random pipeline of ``entry`` (from :mod:`diffusers_trtllm.tiny_pipelines`) or the pretrained one
     from ``source`` (default: its model id)."""
     if tiny:
-        from .. import tiny_pipelines
+        from diffusers_trtllm import tiny_pipelines
 
         builder = getattr(tiny_pipelines, entry.tiny_builder, None)
         if builder is None:
