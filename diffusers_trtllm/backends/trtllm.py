@@ -252,7 +252,7 @@ def device_unavailable_reason(device: torch.device | str) -> str | None:
         return None
     if arch is None:
         return (f"TRTLLM_ATTN needs an NVIDIA sm_90 (H100/H200), sm_100 or sm_103 (B200/B300) GPU and none was "
-                f"found (device {torch.device(device)}); use TORCH_SDPA, TORCH_REFERENCE or auto here")
+                f"found (device {torch.device(device)})")
     hint = " (workstation Blackwell)" if arch.startswith("sm_12") else ""
     return (f"no TRT-LLM attention kernel for {arch}{hint}; TRTLLM_ATTN runs on sm_90 (H100/H200) and sm_100/"
             "sm_103 (B200/B300)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -77,6 +78,16 @@ def test_plan_configs(backend: str, skip: Mapping, *, gates: Sequence[float] = P
                                   make(skip={**skip, "disabled_until_timestep": gate}, quant=sage), gate))
     configs.append(EvalConfig(SAGE_ATTN_LABEL, TABLE_BACKENDS, sdpa_only, peer="SAGE_ATTN"))
     return configs
+
+
+def describe_config(config: AttentionConfig) -> str:
+    """``config`` as compact JSON: unset (null) fields left out."""
+    def drop_unset(value):
+        if isinstance(value, dict):
+            return {k: drop_unset(v) for k, v in value.items() if v is not None and v != {}}
+        return value
+
+    return json.dumps(drop_unset(json.loads(config.to_json())), ensure_ascii=False)
 
 
 @contextlib.contextmanager
