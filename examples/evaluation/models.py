@@ -202,7 +202,7 @@ def from_pretrained(pipeline_class: str, source: str, dtype: torch.dtype):
     hub_logger, quiet = logging.getLogger("diffusers.pipelines.pipeline_utils"), _HubUnreachable()
     hub_logger.addFilter(quiet)
     try:
-        return getattr(diffusers, pipeline_class).from_pretrained(source, torch_dtype=dtype)
+        return getattr(diffusers, pipeline_class).from_pretrained(source, dtype=dtype)
     except (OSError, ValueError) as e:  # what from_pretrained raises for a missing, uncached or foreign model
         # diffusers points at "the stacktrace above", which a one-line error does not show: its cause goes in
         reason = " ".join(str(e).replace("Please check out the root cause in the stacktrace above.", "").split())
