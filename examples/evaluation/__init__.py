@@ -19,8 +19,9 @@ that need them: the speed benchmark runs on a GPU machine that has none of the p
 """
 
 from .configs import (PLAN_GATES, REFERENCE_LABEL, SAGE_ATTN_LABEL, TABLE_BACKENDS, TABLE_SAGE, TABLE_SAGE_SKIP,
-                      TABLE_SKIP, EvalConfig, attention_config, describe_config, no_attention, replaced_backend,
-                      sageattention_peer, sageattention_unavailable_reason, skip_settings, test_plan_configs)
+                      TABLE_SKIP, EvalConfig, attention_config, backend_label, describe_config, no_attention, open_gate,
+                      replaced_backend, sageattention_peer, sageattention_unavailable_reason, skip_settings,
+                      test_plan_configs)
 from .metrics import LpipsScorer, psnr, ssim
 from .models import (MODELS, TINY_SHAPE, ModelEntry, ModelLoadError, SpeedRun, VideoShape, entry_for_pipeline,
                      export_frames, find_model, from_pretrained, generate_frames, load_pipeline)
@@ -37,8 +38,9 @@ __all__ = [
     "TransformerTimer", "synchronize",
     # configs
     "PLAN_GATES", "REFERENCE_LABEL", "SAGE_ATTN_LABEL", "TABLE_BACKENDS", "TABLE_SAGE", "TABLE_SAGE_SKIP",
-    "TABLE_SKIP", "EvalConfig", "attention_config", "describe_config", "no_attention", "replaced_backend",
-    "sageattention_peer", "sageattention_unavailable_reason", "skip_settings", "test_plan_configs",
+    "TABLE_SKIP", "EvalConfig", "attention_config", "backend_label", "describe_config", "no_attention", "open_gate",
+    "replaced_backend", "sageattention_peer", "sageattention_unavailable_reason", "skip_settings",
+    "test_plan_configs",
     # metrics
     "LpipsScorer", "psnr", "ssim",
     # what ran

@@ -18,10 +18,11 @@ def _layer_step_records(stats) -> dict[tuple[int, str], list]:
 
 
 def sparsity_grid(stats) -> dict[tuple[int, str], float | None]:
-    """Achieved sparsity per ``(step, layer)``; None where the backend did not count."""
+    """Achieved sparsity per ``(step, layer)``; None where Skip-Softmax did not run (dense layers, steps the gate
+    kept dense) or the backend did not count."""
     grid = {}
     for key, recs in _layer_step_records(stats).items():
-        if any(not r.counted for r in recs):
+        if any(not r.counted or "skip" not in r.mode for r in recs):
             grid[key] = None
             continue
         total = sum(int(r.total) for r in recs)
