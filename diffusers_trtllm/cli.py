@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Mapping
 
-from .config import (AUTO, FEATURE_BACKENDS, TRTLLM_ATTN, AttentionConfig, AttnQuantSpec, SkipSoftmaxSpec,
-                     canonical_backend)
+from .config import (AUTO, FEATURE_BACKENDS, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec,
+                     SkipSoftmaxSpec, canonical_backend)
 from .errors import AttentionConfigError, invalid
 
 FLAGS = {  # dest -> (flag, environment variable)
@@ -101,12 +102,13 @@ def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[st
     shortcuts = {k: get[k] for k in ("trtllm_gen_sage", "trtllm_gen_target_sparsity",
                                      "trtllm_gen_disabled_until_timestep") if get[k] is not None}
     if shortcuts:
-        backend_given = backend is not None or default.backend != AUTO
+        backend_given = backend is not None or _names_default_backend(get["diffusion_attention_config"])
         if not backend_given:
             default = dataclasses.replace(default, backend=TRTLLM_ATTN)
         elif default.backend not in FEATURE_BACKENDS:
             raise AttentionConfigError(
-                f"{', '.join(FLAGS[k][0] for k in shortcuts)} need a backend with Skip-Softmax and SAGE "
+                f"{', '.join(FLAGS[k][0] for k in shortcuts)} {'needs' if len(shortcuts) == 1 else 'need'} a "
+                "backend with Skip-Softmax and SAGE "
                 f"({', '.join(FEATURE_BACKENDS)}); the backend is {default.backend} (dense only)")
         quant, skip = default.quant, default.skip_softmax
         if "trtllm_gen_sage" in shortcuts:
@@ -125,3 +127,15 @@ def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[st
             skip = SkipSoftmaxSpec(**{**current, **skip_fields})
         default = dataclasses.replace(default, quant=quant, skip_softmax=skip)
     return AttentionConfig(default=default, per_role=config.per_role)
+
+
+def _names_default_backend(config) -> bool:
+    """Whether ``--diffusion-attention-config`` (JSON, dict or config) sets the default spec's backend itself
+    (``"auto"`` included: an explicit choice the shortcuts then apply to)."""
+    if config is None:
+        return False
+    if isinstance(config, (AttentionConfig, AttentionSpec)):
+        return AttentionConfig.coerce(config).default.backend != AUTO
+    data = json.loads(config) if isinstance(config, str) else config
+    default = data.get("default") if isinstance(data, Mapping) else None
+    return isinstance(default, Mapping) and "backend" in default

@@ -30,7 +30,7 @@ import torch
 from diffusers_trtllm import SkipSoftmaxSpec
 from diffusers_trtllm.calibration import CalibrationResult, calibrate
 from evaluation import from_pretrained
-from evaluation.cli import check_device, default_device, positive_int, require_packages, user_errors
+from evaluation.cli import ArgumentParser, check_device, default_device, positive_int, require_packages, user_errors
 
 DEFAULT_PROMPTS = ["A red fox runs through fresh snow at dawn, cinematic",
                    "Waves break on black volcanic rocks under a stormy sky",
@@ -94,7 +94,7 @@ def summary(result: CalibrationResult) -> str:
 
 
 def main(argv=None) -> CalibrationResult:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model id or path (default: tiny built-in Wan 2.2 pipeline)")
     parser.add_argument("--prompts", type=Path, default=None, help="text file, one prompt per line")
     parser.add_argument("--height", type=positive_int, default=256)

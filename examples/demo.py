@@ -22,8 +22,8 @@ import torch
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
 from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_pipeline,
                         open_gate)
-from evaluation.cli import (check_backends, check_device, default_device, positive_int, require_packages,
-                            user_errors)
+from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
+                            require_packages, user_errors)
 
 REFERENCE_LABEL = "dense (TORCH_SDPA)"
 WARMUP_STEPS = 1
@@ -44,7 +44,7 @@ def demo_configs(backend: str, threshold: float, gate: float) -> dict[str, Atten
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
                         help="Wan 2.2, HunyuanVideo 1.5 or Cosmos 3 model id, alias or path (default: tiny Wan 2.2)")
     parser.add_argument("--prompt", default="A red fox runs through fresh snow at dawn, cinematic")

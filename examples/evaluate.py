@@ -35,8 +35,8 @@ from evaluation import (MODELS, PLAN_GATES, EvalConfig, LpipsScorer, ModelEntry,
                         generate_frames, load_pipeline, plan_tables, plot_quality_vs_speedup, plot_sparsity, psnr,
                         sageattention_peer, sageattention_unavailable_reason, skip_settings, sparsity_grid, ssim,
                         synchronize, test_plan_configs)
-from evaluation.cli import (check_backends, check_device, default_device, positive_int, require_packages,
-                            user_errors)
+from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
+                            require_packages, user_errors)
 
 DEFAULT_PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "FP32"}
@@ -45,7 +45,7 @@ NO_SPEEDUP_NOTE = ("TORCH_REFERENCE is a PyTorch model of the kernels' arithmeti
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
                         help=f"model id or alias, one of {[e.model_id for e in MODELS.values()]} "
                              "(default: tiny Wan 2.2)")

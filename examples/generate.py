@@ -37,12 +37,12 @@ from diffusers_trtllm.calibration.checkpoint import PIPELINE_COMPONENTS, SIDECAR
 from evaluation import (MODELS, TransformerTimer, VideoShape, describe_attention_plan, describe_config,
                         entry_for_pipeline, export_frames, find_model, format_number, from_pretrained,
                         generate_frames, load_pipeline, synchronize)
-from evaluation.cli import (check_backends, check_device, default_device, positive_int, require_packages,
-                            user_errors)
+from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
+                            require_packages, user_errors)
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
                         help=f"model id or alias: {[e.model_id for e in MODELS.values()]}, or a local pipeline "
                              "folder (default: tiny Wan 2.2)")

@@ -24,6 +24,14 @@ from .models import ModelLoadError
 USER_ERRORS = (AttentionConfigError, BackendUnavailableError, CalibrationError, ModelLoadError)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (argparse prints its usage first): ``prog: error: message``
+    on stderr, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (``--steps 0`` would otherwise run the pipeline's default)."""
     try:

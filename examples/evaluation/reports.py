@@ -92,8 +92,7 @@ def plot_sparsity(grids: Mapping[str, Mapping[tuple[int, str], float | None]], p
     layout = fig.add_gridspec(1 + heat_rows, columns, height_ratios=[1.1] + [1.0] * heat_rows)
     mean_ax = fig.add_subplot(layout[0, :])
     heat_axes = []
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("0.85")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="0.85")
     image = None
     for index, label in enumerate(labels):
         grid = grids[label]
