@@ -3,9 +3,11 @@ TORCH_SDPA dense (the reference) for quality (LPIPS, or PSNR/SSIM where LPIPS ca
 transformer calls and of the whole run, and achieved sparsity.
 
 Offline (the default, or ``--tiny``): the model's tiny randomly initialised pipeline on the CPU, with the
-TRT-LLM configurations on TORCH_REFERENCE (same Skip-Softmax and SAGE semantics, counted sparsity)::
+TRT-LLM configurations on TORCH_REFERENCE (same Skip-Softmax and SAGE semantics, counted sparsity). Its rows are
+named after the backend and dtype that ran (``TORCH_REFERENCE FP32 dense``, not ``trtllm-gen BF16 dense``) and show
+no speed-up: TORCH_REFERENCE's time is not a kernel's::
 
-    python examples/evaluate.py --output-dir eval_tiny
+    python examples/evaluate.py                     # writes evaluation_out/
 
 A real model on a GPU (TRTLLM_ATTN; a calibrated checkpoint for --target-sparsity, or λ with --threshold)::
 

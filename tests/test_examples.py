@@ -192,7 +192,8 @@ def test_calibrate_then_generate_with_defaults(tmp_path, capsys):
     assert dense["shape"] == sparse["shape"] == VideoShape(192, 320, 9, 2)  # the calibrated shape, read back
     assert f"Skip-Softmax calibration loaded from {folder} (calibrated at 192×320, 9 frames, 2 steps):" in printed
     for component, fit in calibration.fits.items():
-        assert f"  {component}: factor = a·exp(b·s), a = {fit.calibration.a:.4g}, b = {fit.calibration.b:.4g}" in printed
+        curve = fit.calibration
+        assert f"  {component}: factor = a·exp(b·s), a = {curve.a:.4g}, b = {curve.b:.4g}" in printed
     assert dense["summary"]["sparsity"] in (0.0, None) and (tmp_path / "dense.mp4").stat().st_size > 0
     # the last step runs on transformer_2, sparse: the curve puts it near the target
     last = max(sparse["summary"]["per_step"])
