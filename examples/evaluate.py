@@ -101,8 +101,7 @@ def run_config(pipe, entry: ModelEntry, config: EvalConfig, shape: VideoShape, a
     try:
         with peer:
             with enable_trtllm_attention(pipe, config.warmup, collect_stats=False):
-                generate_frames(pipe, entry, args.prompt, shape, args.seed, steps=args.warmup_steps,
-                                output_type="latent")
+                generate_frames(pipe, entry, args.prompt, shape, args.seed, steps=args.warmup_steps)  # + decode
             with enable_trtllm_attention(pipe, config.config) as handle, TransformerTimer.for_pipeline(pipe) as timer:
                 synchronize(args.device)
                 start = time.perf_counter()
