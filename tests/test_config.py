@@ -218,7 +218,7 @@ def test_environment_variables_mirror_the_flags():
 
 @pytest.mark.parametrize("argv,env,match", [
     (["--diffusion-attention-backend", "TORCH_SDPA"], {"DIFFUSION_ATTENTION_BACKEND": "TRTLLM_ATTN"}, "contradicts"),
-    (["--diffusion-attention-backend", "TORCH_SDPA", "--trtllm-gen-sage"], {}, "configure TRTLLM_ATTN"),
+    (["--diffusion-attention-backend", "TORCH_SDPA", "--trtllm-gen-sage"], {}, "the backend is TORCH_SDPA"),
     (["--diffusion-attention-backend", "TORCH_SDPA", "--diffusion-attention-config", GUIDE_SKIP_JSON], {},
      "contradicts the config's default backend"),
     (["--diffusion-attention-config", GUIDE_SKIP_JSON, "--trtllm-gen-target-sparsity", "0.3"], {},
