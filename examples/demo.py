@@ -53,7 +53,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser.add_argument("--frames", type=positive_int, default=9)
     parser.add_argument("--steps", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="auto", help="backend for the non-reference configs")
+    parser.add_argument("--backend", default=None,
+                        help="backend for the non-reference configs (default: auto on a GPU; TORCH_REFERENCE on a "
+                             "CPU, where auto would run every configuration dense on TORCH_SDPA)")
     parser.add_argument("--threshold", type=float, default=0.5, help="Skip-Softmax λ")
     parser.add_argument("--gate", type=float, default=0.9, help="disabled_until_timestep D")
     parser.add_argument("--device", default=default_device())
@@ -64,6 +66,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
 def main(argv=None) -> list[dict]:
     args, parser = parse_args(argv)
     device = check_device(parser, args.device)
+    args.backend = args.backend or ("auto" if device.type == "cuda" else "TORCH_REFERENCE")
     with user_errors(parser):  # a bad backend, λ or D stops here, before any video
         configs = demo_configs(args.backend, args.threshold, args.gate)
     check_backends(parser, list(configs.values()), device)
@@ -113,7 +116,7 @@ def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, 
     """The header lines: what each column means and what the numbers can and cannot say here."""
     lines = [
         "Columns:",
-        "- ran on: the backends that ran the attention calls (auto picks per call and logs why once)",
+        "- ran on: the backends that ran the attention calls (chosen per layer at install)",
         "- time: the whole generation (text encoder, denoising, VAE decode), after the warm-up",
         "- rel. diff to dense: ||video - dense video|| / ||dense video|| over all pixels (0: identical video)",
         "- sparsity: skipped / all 128x128 KV tiles where Skip-Softmax ran and the backend counts them "
