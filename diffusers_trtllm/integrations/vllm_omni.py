@@ -144,9 +144,9 @@ def trtllm_unavailable_reason(config: AttentionConfig, device: torch.device, dty
     return None
 
 
-def install_on_pipeline(pipeline, vllm_omni_config):
-    """Install this package's processors on ``pipeline`` (loaded by vLLM-Omni's diffusers adapter) for
-    ``vllm_omni_config``; returns the :class:`~diffusers_trtllm.TrtllmAttentionHandle`."""
+def checked_config(pipeline, vllm_omni_config) -> AttentionConfig:
+    """This package's config for ``vllm_omni_config``, refused (before anything is installed) when a
+    ``TRTLLM_ATTN`` spec cannot run where ``pipeline``'s transformer runs."""
     config = attention_config_from_vllm_omni(vllm_omni_config)
     transformer = getattr(pipeline, "transformer", None)
     if transformer is None:
@@ -158,6 +158,12 @@ def install_on_pipeline(pipeline, vllm_omni_config):
         raise BackendUnavailableError(
             f"diffusion_attention_config selects TRTLLM_ATTN ({', '.join(trtllm_selected_by(vllm_omni_config))}), "
             f"but diffusers_trtllm cannot run it for {type(pipeline).__name__} on {device} in {dtype}: {reason}")
+    return config
+
+
+def install_on_pipeline(pipeline, config: AttentionConfig):
+    """Install this package's processors on every transformer of ``pipeline`` (loaded by vLLM-Omni's diffusers
+    adapter); returns the :class:`~diffusers_trtllm.TrtllmAttentionHandle`."""
     handle = enable_trtllm_attention(pipeline, config, collect_stats=os.environ.get(COLLECT_STATS_ENV) == "1")
     logger.info("vLLM-Omni diffusers path: diffusers_trtllm processors on %s of %s with %s",
                 ", ".join(handle.components), type(pipeline).__name__, config.to_json())
@@ -181,12 +187,13 @@ def _set_attention_backend_wrapper(original, version: str):
             return original(adapter)
         if version != TESTED_VLLM_OMNI:
             raise _untested_version_error(version)
+        config = checked_config(adapter._pipeline, selected_config)
         default = selected_config.default
         if default is None or default.backend.upper() != TRTLLM_ATTN:
             # vLLM-Omni's dense default stays on the attention modules this package's processors do not serve
             # (HunyuanVideo 1.5's text refiner, for one).
             original(adapter)
-        setattr(adapter, HANDLE_ATTRIBUTE, install_on_pipeline(adapter._pipeline, selected_config))
+        setattr(adapter, HANDLE_ATTRIBUTE, install_on_pipeline(adapter._pipeline, config))
 
     return _set_attention_backend
 
