@@ -18,6 +18,8 @@ package's entry there. It wraps two vLLM-Omni methods, each only where ``TRTLLM_
   checkpoint's calibration itself when it installs, and refuses ``target_sparsity`` without one there.
 
 Both wrapped methods were read in vllm-omni 0.30.0; on another version selecting ``TRTLLM_ATTN`` is refused.
+The per-pipeline hooks of ``PIPELINE_UTILS_REGISTRY`` cannot do it instead: they are keyed by pipeline class, and
+``_set_attention_backend`` runs after ``apply_post_load_updates`` and raises for ``TRTLLM_ATTN`` whatever a hook did.
 """
 
 from __future__ import annotations
