@@ -11,7 +11,7 @@ import torch
 from conftest import CALL_KWARGS, SAMPLING, attention_processors, generate, load_adapter
 from diffusers import DiffusionPipeline, UniPCMultistepScheduler
 
-from diffusers_trtllm import (AttentionConfigError, BackendUnavailableError, WanTrtllmAttnProcessor,
+from diffusers_trtllm import (AttentionConfig, AttentionConfigError, BackendUnavailableError, WanTrtllmAttnProcessor,
                               enable_trtllm_attention)
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.integrations import vllm_omni as plugin
@@ -109,6 +109,18 @@ def test_trtllm_attn_selected_by_role_only_keeps_the_rest_dense(pipeline_dir, pl
     generate(adapter)
     modes = getattr(adapter, plugin.HANDLE_ATTRIBUTE).stats.modes()
     assert all(counts == {"TRTLLM_ATTN:sage-fp8_e4m3": 2, "TORCH_SDPA:dense": 2} for counts in modes.values())
+
+
+def test_vllm_omni_config_objects_convert_to_what_the_same_json_means_here():
+    from vllm_omni.diffusion.data import AttentionConfig as OmniAttentionConfig
+
+    trtllm = {"backend": "TRTLLM_ATTN", "skip_softmax": {"target_sparsity": 0.65, "disabled_until_timestep": 0.86},
+              "quant": {"dtype_qk": "fp8_e4m3", "q_block_size": 1, "k_block_size": 16}}
+    expert_2 = {"backend": "TRTLLM_ATTN", "skip_softmax": {"threshold": 0.4}}
+    omni = OmniAttentionConfig(default=trtllm, per_role={"cross": {"backend": "TORCH_SDPA"},
+                                                         "transformer_2": {"self_attn": expert_2}})
+    assert plugin.attention_config_from_vllm_omni(omni) == AttentionConfig.from_dict(
+        {"default": trtllm, "per_role": {"cross": {"backend": "TORCH_SDPA"}, "transformer_2.self_attn": expert_2}})
 
 
 @pytest.mark.parametrize("config, message", [
