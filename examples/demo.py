@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
-from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_pipeline,
+from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_model,
                         open_gate)
 from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
                             require_packages, user_errors)
@@ -64,8 +64,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
 def main(argv=None) -> list[dict]:
     args, parser = parse_args(argv)
     device = check_device(parser, args.device)
-    with user_errors(parser):  # a bad backend, λ or D stops here, before any video
+    with user_errors(parser):  # a bad backend, λ, D or model name stops here, before any video
         configs = demo_configs(args.backend, args.threshold, args.gate)
+        if args.model is not None and not Path(args.model).is_dir():
+            find_model(args.model)
     check_backends(parser, list(configs.values()), device)
     if args.output_dir is not None:
         require_packages(parser, "--output-dir (MP4 export)", "imageio", "imageio_ffmpeg")
@@ -73,8 +75,7 @@ def main(argv=None) -> list[dict]:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with user_errors(parser):
-        entry = find_model(args.model or "wan")
-        pipe = load_pipeline(entry, tiny=args.model is None, device=args.device, dtype=dtype, source=args.model)
+        entry, pipe = load_model(args.model, tiny=args.model is None, device=args.device, dtype=dtype)
     pipe.set_progress_bar_config(desc="denoising", leave=False)
     shape = VideoShape(args.height, args.width, args.frames, args.steps)
     model_name = entry.name + (" (tiny, random weights)" if args.model is None else "")
