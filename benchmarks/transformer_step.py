@@ -12,8 +12,14 @@ Random weights give near-Gaussian attention scores, far less peaked than a train
 a given λ differ from a real run's (FlashInfer's kernels do not count them), so skip rows measure the kernel at
 this data, not a model's speed-up.
 
+With ``--compile blocks`` every transformer block is compiled with ``block.compile(fullgraph=True)`` (what
+diffusers' ``compile_repeated_blocks(fullgraph=True)`` does) after the processors are installed, and each row
+reports its compile time: the warm-up call's time, which compiles the one graph all blocks share. Dynamo's
+caches are reset between configurations, so every row compiles from scratch.
+
     PYTHONPATH=. python benchmarks/transformer_step.py            # on the GPU; JSON to $OUT (or --output)
     PYTHONPATH=. python benchmarks/transformer_step.py --tiny     # CPU, tiny configurations, seconds
+    PYTHONPATH=. python benchmarks/transformer_step.py --compile blocks --configs diffusers dense sage
 """
 
 from __future__ import annotations
@@ -36,7 +42,6 @@ import torch
 
 from diffusers_trtllm import enable_trtllm_attention
 from diffusers_trtllm.config import TORCH_REFERENCE, TORCH_SDPA, TRTLLM_ATTN, AttnQuantSpec
-from diffusers_trtllm.platform import gpu_arch
 from diffusers_trtllm.processors import PROCESSORS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the examples' shared helpers
@@ -46,6 +51,7 @@ from evaluation import (MODELS, ModelEntry, SpeedRun, TransformerTimer, VideoSha
 SDPA_LABEL = "TORCH_SDPA"
 CUDNN_LABEL = "TORCH_SDPA cuDNN"
 NO_ATTENTION_LABEL = "attention removed"
+DIFFUSERS_LABEL = "diffusers default processors"
 DEFAULT_LAMBDAS = (0.066, 0.5)  # factor 5,000 at 75,600 keys (DESIGN.md's Hopper probe), and a large one
 GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none", "diffusers")
 DEFAULT_GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none")
@@ -69,8 +75,10 @@ class Row:
     ms: float | None = None
     calls_ms: list = field(default_factory=list)
     peak_gb: float | None = None
+    compile_s: float | None = None
     vs_sdpa: float | None = None
     vs_cudnn: float | None = None
+    vs_diffusers: float | None = None
     error: str = ""
 
 
@@ -89,7 +97,7 @@ def bench_configs(entry: ModelEntry, groups, lambdas, feature_backend: str, on_c
         configs.append(BenchConfig(CUDNN_LABEL, sdpa, lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION),
                                    None if on_cuda else "cuDNN SDPA needs a CUDA GPU"))
     if "diffusers" in groups:
-        configs.append(BenchConfig("diffusers default processors", None))
+        configs.append(BenchConfig(DIFFUSERS_LABEL, None))
     if "dense" in groups:
         configs.append(BenchConfig(f"{feature_backend} dense", trt()))
     if "skip" in groups:
@@ -132,17 +140,36 @@ def first_block_only(model: torch.nn.Module, blocks_attr: str):
         setattr(model, blocks_attr, blocks)
 
 
-def time_config(model, run: SpeedRun, inputs: dict, bench: BenchConfig, repeats: int, device) -> Row:
+@contextlib.contextmanager
+def compiled_blocks(model: torch.nn.Module, blocks_attr: str, enabled: bool):
+    """Every block compiled with ``fullgraph=True`` while inside (undone after, dynamo's caches reset)."""
+    blocks = list(getattr(model, blocks_attr)) if enabled else []
+    for block in blocks:
+        block.compile(fullgraph=True)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block._compiled_call_impl = None
+        if enabled:
+            torch._dynamo.reset()
+
+
+def time_config(model, run: SpeedRun, inputs: dict, bench: BenchConfig, repeats: int, device,
+                compile_blocks: bool = False) -> Row:
     pipe = SimpleNamespace(transformer=model, scheduler=SimpleNamespace(config=SimpleNamespace(
         num_train_timesteps=1000)))
     # no statistics: counting skipped tiles is extra work that the speed of a step should not include
     installed = (enable_trtllm_attention(pipe, bench.config, collect_stats=False) if bench.config is not None
                  else contextlib.nullcontext())
     row = Row("", bench.label)
-    with installed, bench.context(), torch.no_grad():
+    with installed, bench.context(), torch.no_grad(), compiled_blocks(model, run.blocks_attr, compile_blocks):
+        start = time.perf_counter()
         with first_block_only(model, run.blocks_attr):
             model(**inputs)
         synchronize(device)
+        if compile_blocks:
+            row.compile_s = time.perf_counter() - start
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with TransformerTimer({"transformer": model}) as timer:
@@ -181,7 +208,7 @@ def bench_model(entry: ModelEntry, run: SpeedRun, configs, args, device, dtype, 
                 continue
             print(f"[{entry.name}] {bench.label} ...", file=sys.stderr, flush=True)
             try:
-                row = time_config(model, run, inputs, bench, args.repeats, device)
+                row = time_config(model, run, inputs, bench, args.repeats, device, args.compile == "blocks")
                 row.model = entry.name
             except Exception as e:  # noqa: BLE001  (record and go on: one failure must not lose the run)
                 message = str(e).splitlines()[0] if str(e) else ""
@@ -197,6 +224,7 @@ def bench_model(entry: ModelEntry, run: SpeedRun, configs, args, device, dtype, 
         if row.ms is not None:
             row.vs_sdpa = by_label[SDPA_LABEL] / row.ms if SDPA_LABEL in by_label else None
             row.vs_cudnn = by_label[CUDNN_LABEL] / row.ms if CUDNN_LABEL in by_label else None
+            row.vs_diffusers = by_label[DIFFUSERS_LABEL] / row.ms if DIFFUSERS_LABEL in by_label else None
     if NO_ATTENTION_LABEL in by_label:
         for label, key in ((SDPA_LABEL, "attention_share_sdpa"), (CUDNN_LABEL, "attention_share_cudnn")):
             if label in by_label:
@@ -214,10 +242,12 @@ def report(results: list[dict]) -> str:
             lines += [title, "", f"skipped: {res['skipped']}", ""]
             continue
         table = markdown_table(
-            ("configuration", "step (ms)", "× vs TORCH_SDPA", "× vs cuDNN", "peak GB", "notes"),
+            ("configuration", "step (ms)", "× vs TORCH_SDPA", "× vs cuDNN", "× vs diffusers", "compile (s)",
+             "peak GB", "notes"),
             [(r["label"], format_number(r["ms"], 1), format_number(r["vs_sdpa"], 3, "×"),
-              format_number(r["vs_cudnn"], 3, "×"), format_number(r["peak_gb"], 1), r["error"])
-             for r in res["rows"]], "lrrrrl")
+              format_number(r["vs_cudnn"], 3, "×"), format_number(r["vs_diffusers"], 3, "×"),
+              format_number(r["compile_s"], 1), format_number(r["peak_gb"], 1), r["error"])
+             for r in res["rows"]], "lrrrrrrl")
         share = ", ".join(f"{format_number(res[k], 3)} of the {name} step" for k, name in
                           (("attention_share_sdpa", "TORCH_SDPA"), ("attention_share_cudnn", "cuDNN")) if k in res)
         lines += [title, "", f"{res['params'] / 1e9:.3g} B parameters, built in {res['build_s']:.1f} s", "",
@@ -234,6 +264,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--lambdas", type=float, nargs="+", default=list(DEFAULT_LAMBDAS),
                         help="Skip-Softmax λ values; the last one also runs with SAGE")
     parser.add_argument("--frames", type=int, default=None, help="override every model's frame count (4k + 1)")
+    parser.add_argument("--compile", choices=("none", "blocks"), default="none",
+                        help="blocks: compile every transformer block with fullgraph=True (after installing)")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per configuration (median)")
     parser.add_argument("--time-budget", type=float, default=400.0,
                         help="seconds after which remaining configurations are recorded as not run")
@@ -247,10 +279,9 @@ def main(argv=None) -> dict:
     entries = ([find_model(name) for name in args.models] if args.models
                else [e for e in MODELS.values() if e.speed is not None])
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-            else "cpu", "tiny": args.tiny, "lambdas": args.lambdas, "repeats": args.repeats}
-    # FlashInfer runs dense and skip everywhere, SAGE only on Blackwell (Hopper's SAGE is the Triton kernel)
-    flashinfer_groups = ("dense", "skip") if gpu_arch(device) == "sm_90" else ("dense", "skip", "sage", "sage_skip")
-    if device.type == "cuda" and any(g in args.configs for g in flashinfer_groups):
+            else "cpu", "tiny": args.tiny, "lambdas": args.lambdas, "repeats": args.repeats,
+            "compile": args.compile}
+    if device.type == "cuda" and any(g in args.configs for g in ("dense", "skip", "sage", "sage_skip")):
         meta["trtllm_warmup_s"] = trtllm_warmup(device)
     results = []
     for entry in entries:

@@ -1,8 +1,10 @@
 """TRT-LLM attention (dense BF16, Skip-Softmax, SAGE) for diffusers video transformers.
 
-Layout: ``config`` (what the user asked) -> ``plan`` (what runs for this layer, step and GPU) -> ``backends`` /
-``kernels`` (how it runs). ``processors`` adapt each model family; ``install`` puts them on a pipeline;
-``session`` holds a pipeline's timestep and statistics; ``calibration`` reads and fits Skip-Softmax curves.
+Layout: ``config`` (what the user asked) -> ``plan`` (what runs for each call site and step) -> ``ops`` (one
+opaque op for ``torch.compile``) -> ``backends`` -> ``kernels`` (plain-tensor kernel functions, importing nothing
+above them). ``dispatch`` is the ``"trtllm"`` backend of diffusers' attention dispatcher; ``processors`` subclass
+diffusers' processors and route their attention there; ``install`` plans and installs them on a pipeline;
+``steps`` follows the scheduler; ``stats`` keeps what ran; ``calibration`` reads and fits Skip-Softmax curves.
 """
 
 from .calibration.curve import SkipCalibration
@@ -12,13 +14,13 @@ from .errors import AttentionConfigError, BackendUnavailableError
 from .install import TrtllmAttentionHandle, enable_trtllm_attention
 from .processors import (Cosmos3TrtllmAttnProcessor, HunyuanVideo15TrtllmAttnProcessor, TrtllmAttnProcessor,
                          WanTrtllmAttnProcessor)
-from .session import AttentionSession
+from .dispatch import BACKEND_NAME, set_dispatch_config
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionConfig", "AttentionConfigError", "AttentionSession", "AttentionSpec", "AttnQuantSpec",
+    "AttentionConfig", "AttentionConfigError", "AttentionSpec", "BACKEND_NAME", "AttnQuantSpec",
     "BackendUnavailableError", "Cosmos3TrtllmAttnProcessor", "HunyuanVideo15TrtllmAttnProcessor", "SkipCalibration",
     "SkipSoftmaxSpec", "TrtllmAttentionHandle", "TrtllmAttnProcessor", "WanTrtllmAttnProcessor", "add_attention_args",
-    "config_from_args", "enable_trtllm_attention",
+    "config_from_args", "enable_trtllm_attention", "set_dispatch_config",
 ]

@@ -1,51 +1,65 @@
-"""``enable_trtllm_attention``: install the right processor on every transformer of a pipeline, and undo it."""
+"""``enable_trtllm_attention``: plan and install this package's processors on a pipeline's transformers, and
+undo it."""
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass, field
+import warnings
 from typing import Mapping
 
 import torch
 
+from .calibration import calibrations_from_transformers
 from .calibration.curve import SkipCalibration
 from .config import AttentionConfig
 from .errors import AttentionConfigError
-from .processors import PROCESSORS, processor_class_for
-from .session import AttentionSession
+from .plan import CallPlanner, CallSite
+from .processors import PROCESSORS, TrtllmAttnProcessor, processor_class_for
 from .stats import AttentionStats
+from .steps import DenoisingClock
 
 logger = logging.getLogger("diffusers_trtllm")
 
 TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
+_HANDLE_ATTRIBUTE = "_diffusers_trtllm_handle"
 
 
-@dataclass
 class TrtllmAttentionHandle:
-    """What :func:`enable_trtllm_attention` returns: the pipeline's session (timestep, statistics) and the way back.
+    """What :func:`enable_trtllm_attention` returns: the plan, the statistics and the way back.
 
-    Use as a context manager or call :meth:`restore` to put the original processors back and remove the hooks.
+    ``stats``: what ran in the current (or last) pipeline call. Use as a context manager or call
+    :meth:`restore` (idempotent) to put back the processors it replaced and remove its hooks.
     """
 
-    session: AttentionSession
-    _originals: dict = field(default_factory=dict, repr=False)
-    _hooks: list = field(default_factory=list, repr=False)
+    def __init__(self, planner: CallPlanner, clock: DenoisingClock):
+        self.planner = planner
+        self.clock = clock
+        self._installed: dict[str, tuple[torch.nn.Module, dict, dict]] = {}
+        self._hooks: list = []
 
     @property
-    def stats(self) -> AttentionStats:
-        return self.session.stats
+    def stats(self):
+        self.clock.flush()
+        return self.clock.stats
 
     @property
     def components(self) -> tuple[str, ...]:
-        return tuple(self._originals)
+        return tuple(self._installed)
 
     def restore(self) -> None:
+        """Put back the processors this handle replaced (only where its own processors still are)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        for transformer, processors in self._originals.values():
-            transformer.set_attn_processor(processors)
-        self._originals.clear()
+        self.clock.detach()
+        for transformer, originals, ours in self._installed.values():
+            current = transformer.attn_processors
+            back = {name: originals[name] if current[name] is ours.get(name) else current[name] for name in current}
+            transformer.set_attn_processor(back)
+            if getattr(transformer, _HANDLE_ATTRIBUTE, None) is self:
+                delattr(transformer, _HANDLE_ATTRIBUTE)
+        self._installed.clear()
 
     def __enter__(self) -> "TrtllmAttentionHandle":
         return self
@@ -55,87 +69,135 @@ class TrtllmAttentionHandle:
 
 
 def pipeline_transformers(pipe) -> dict[str, torch.nn.Module]:
-    """The pipeline's transformer components that are present (``transformer_2`` may be None)."""
+    """The pipeline's transformer components that are present (``transformer_2`` may be None); a bare
+    transformer is its own ``transformer`` component."""
+    if isinstance(pipe, torch.nn.Module):
+        return {"transformer": pipe}
     found = {name: getattr(pipe, name, None) for name in TRANSFORMER_COMPONENTS}
     return {name: module for name, module in found.items() if module is not None}
+
+
+def plan_device(transformers) -> torch.device:
+    """Where attention will run: the transformers' GPU, else this process's GPU, else the CPU."""
+    for transformer in transformers:
+        for parameter in transformer.parameters():
+            if parameter.device.type == "cuda":
+                return parameter.device
+            break
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None = None, *,
                             calibrations: Mapping[str, SkipCalibration] | None = None,
                             collect_stats: bool = True) -> TrtllmAttentionHandle:
-    """Install this package's processor on ``pipe.transformer`` (and ``pipe.transformer_2``) with one session.
+    """Install this package's processor on every attention layer of ``pipe.transformer`` (and
+    ``pipe.transformer_2``), or of a bare transformer.
 
-    Each attention layer gets its own light processor that knows its component and layer name; all share the
-    session, which reads the timestep on every transformer call (normalized by the scheduler's
-    ``num_train_timesteps``) and collects statistics. ``calibrations`` maps a component name to its
-    Skip-Softmax curve; components whose ``config.json`` carries a ``sparse_attention_config`` are read too.
-    Processors of attention modules the model's processor does not serve (HunyuanVideo 1.5's text refiner, for
-    one) are left as they are.
+    Everything that can be decided before running is decided here: each layer's spec (``config``'s per-role
+    precedence), its backend on the GPU the pipeline runs on (an explicit backend that cannot run a layer's
+    attention raises now; ``auto`` that must drop Skip-Softmax or SAGE warns once), the calibrations
+    (``calibrations`` maps a component to its curve; components whose ``config.json`` carries a
+    ``sparse_attention_config`` are read too). The timestep gate and λ are planned once per denoising step from
+    the pipeline's scheduler; statistics keep the current pipeline call. Install after moving the pipeline to its
+    dtype. Context parallelism enabled before or after installing is honoured (Ulysses).
     """
     transformers = pipeline_transformers(pipe)
     if not transformers:
         raise AttentionConfigError(f"{type(pipe).__name__} has no 'transformer' component to install attention on")
-    scheduler = getattr(pipe, "scheduler", None)
-    num_train = getattr(getattr(scheduler, "config", None), "num_train_timesteps", None)
-    if num_train is None:
-        num_train = 1000
-        logger.warning("pipeline scheduler has no config.num_train_timesteps; normalizing timesteps by 1000")
-    session = AttentionSession(config, _merge_calibrations(transformers, calibrations),
-                               num_train_timesteps=num_train, collect_stats=collect_stats)
-    handle = TrtllmAttentionHandle(session)
-    sites = []
+    for component, transformer in transformers.items():
+        _refuse_reinstall(component, transformer)
+    classes = {component: _processor_class(component, t) for component, t in transformers.items()}
+    planner = CallPlanner(AttentionConfig.coerce(config), calibrations_from_transformers(transformers, calibrations),
+                          collect_stats=collect_stats)
+    for component, transformer in transformers.items():
+        _add_sites(planner, component, transformer, classes[component])
+    dtype = next(iter(transformers.values())).dtype
+    planner.choose_backends(plan_device(transformers.values()), dtype)
+
+    scheduler = None if isinstance(pipe, torch.nn.Module) else getattr(pipe, "scheduler", None)
+    num_train = getattr(getattr(scheduler, "config", None), "num_train_timesteps", None) or 1000
+    if not (hasattr(scheduler, "set_timesteps") and hasattr(scheduler, "step")):
+        scheduler = None
+    clock = DenoisingClock(planner, AttentionStats(), num_train)
+    handle = TrtllmAttentionHandle(planner, clock)
     try:
         for component, transformer in transformers.items():
-            sites += _install(handle, component, transformer)
-        session.config.check_keys(sites)
-        _check_calibrations(session, sites)
+            _install(handle, component, transformer, classes[component])
+        if scheduler is not None:
+            clock.attach(scheduler)
+        elif _gated(planner):
+            warnings.warn("diffusers_trtllm: a timestep gate without a pipeline scheduler reads the transformer's "
+                          "timestep argument on the host once per call; compile per block in this form",
+                          stacklevel=2)
+            for component, transformer in transformers.items():
+                cls = classes[component]
+                clock.timestep_hook(transformer, functools.partial(read_timestep_arguments, names=cls.TIMESTEP_ARGUMENTS))
     except Exception:
         handle.restore()
         raise
     return handle
 
 
-def _install(handle: TrtllmAttentionHandle, component: str, transformer) -> list[tuple[str, str, str, str]]:
+def _processor_class(component: str, transformer) -> type[TrtllmAttnProcessor]:
     cls = processor_class_for(transformer)
     if cls is None:
         supported = sorted(name for p in PROCESSORS for name in p.TRANSFORMER_CLASSES)
         raise AttentionConfigError(
-            f"{component} is a {type(transformer).__name__}; diffusers_trtllm has processors for {supported}")
-    if getattr(transformer, "_parallel_config", None) is not None:
-        raise NotImplementedError(f"{component} has context parallelism enabled; {cls.__name__} does not "
-                                  "implement it, and ignoring it would give wrong output")
-    session = handle.session
+            f"{component} is a {type(transformer).__name__}; diffusers_trtllm has processors for {supported} (any "
+            "other diffusers model can use transformer.set_attention_backend('trtllm'))")
+    return cls
+
+
+def _refuse_reinstall(component: str, transformer) -> None:
+    owner = getattr(transformer, _HANDLE_ATTRIBUTE, None)
+    ours = [n for n, p in transformer.attn_processors.items() if isinstance(p, TrtllmAttnProcessor)]
+    if owner is not None or ours:
+        who = f"the handle {owner!r} returned by enable_trtllm_attention" if owner is not None else \
+            "transformer.set_attn_processor"
+        raise AttentionConfigError(
+            f"{component} already runs diffusers_trtllm processors (installed by {who}); call restore() on that "
+            "handle (or set_default_attn_processor()) before installing again")
+
+
+def _add_sites(planner: CallPlanner, component: str, transformer, cls: type[TrtllmAttnProcessor]) -> None:
+    for name, module in transformer.named_modules():
+        if cls.serves(module):
+            for role in cls.roles_of(module):
+                traits = cls.ROLES[role]
+                planner.add_site(CallSite(component, name, role, traits.category), traits, cls.head_layout(module))
+
+
+def _install(handle: TrtllmAttentionHandle, component: str, transformer, cls: type[TrtllmAttnProcessor]) -> None:
     originals = transformer.attn_processors
     modules = dict(transformer.named_modules())
-    processors, sites = {}, []
+    parallel = getattr(transformer, "_parallel_config", None)
+    parallel = parallel if getattr(parallel, "context_parallel_config", None) is not None else None
+    shared = cls.shared_state()
+    processors, ours = {}, {}
     for key, original in originals.items():
         layer = key.removesuffix(".processor")
-        if cls.serves(modules[layer]):
-            processors[key] = cls(session=session, component=component, layer=layer)
-            sites += [(component, layer, role, category) for role, category in cls.ROLES.items()]
-        else:
+        module = modules[layer]
+        if not cls.serves(module):
             processors[key] = original
+            continue
+        calls = {role: handle.planner.calls[CallSite(component, layer, role, cls.ROLES[role].category)]
+                 for role in cls.roles_of(module)}
+        processor = cls(calls=calls, **shared)
+        if parallel is not None:
+            processor._parallel_config = parallel
+        processors[key] = ours[key] = processor
     transformer.set_attn_processor(processors)
-    handle._originals[component] = (transformer, originals)
-    handle._hooks.append(session.timestep_hook(transformer, cls.read_timestep))
-    session.register_layers(component, transformer)
-    return sites
+    handle._installed[component] = (transformer, originals, ours)
+    setattr(transformer, _HANDLE_ATTRIBUTE, handle)
+    if ours:
+        handle._hooks += next(iter(ours.values())).install_hooks(transformer)
 
 
-def _merge_calibrations(transformers, explicit) -> dict[str, SkipCalibration]:
-    from .calibration import calibrations_from_transformers
-
-    return calibrations_from_transformers(transformers, explicit)
+def _gated(planner: CallPlanner) -> bool:
+    return any(c.skip is not None and c.skip.disabled_until_timestep > 0 for c in planner.calls.values())
 
 
-def _check_calibrations(session: AttentionSession, sites) -> None:
-    """Fail at install time, not mid-generation, when a target_sparsity spec meets an uncalibrated component."""
-    for component, layer, role, category in sites:
-        _, spec = session.config.resolve(component, layer, role, category)
-        if spec.skip_softmax is not None and spec.skip_softmax.target_sparsity is not None \
-                and component not in session.calibrations:
-            raise AttentionConfigError(
-                f"skip_softmax.target_sparsity={spec.skip_softmax.target_sparsity} applies to {component}.{layer} "
-                f"but {component!r} has no Skip-Softmax calibration: load a calibrated checkpoint, run "
-                "diffusers_trtllm.calibration.calibrate(pipe, prompts), pass calibrations={...}, or set "
-                "skip_softmax.threshold (λ) instead")
+def read_timestep_arguments(bound: dict, names: tuple[str, ...]) -> torch.Tensor | None:
+    """The raw timesteps a transformer call got in its arguments ``names`` (all noisy modalities), or None."""
+    present = [t.flatten() for name in names if (t := bound.get(name)) is not None and torch.is_tensor(t) and t.numel()]
+    return torch.cat(present) if present else None

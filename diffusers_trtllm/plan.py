@@ -1,19 +1,27 @@
-"""What runs for this layer, this step, this GPU: config + session + call site -> :class:`AttentionPlan`.
+"""What runs for each attention call site, decided off the per-call path.
 
-The plan resolves, in order: the spec for the call site (``AttentionConfig.resolve``); whether skipping is on
-for this step (the timestep gate); λ or the calibrated factor; whether the attention can take skipping and
-quantization at all (a causal stream cannot); and which backend runs it (``backends.select_backend``).
+At install, :class:`CallPlanner` resolves every call site's spec (component, layer, role) and chooses its
+backend for the GPU the pipeline will run on: an explicit backend that cannot run a site's attention (causal,
+head_dim, dtype, GPU) raises then, with the fix in the message; ``auto`` that cannot keep Skip-Softmax or SAGE
+warns once, naming the roles. Once per denoising step, :meth:`CallPlanner.plan_step` turns the timestep gate and
+λ (or the calibrated factor) into each site's skip value, a CPU tensor the attention op reads; nothing on the
+per-call path looks at Python state that changes during a run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
 
 from .backends import select_backend
 from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV
-from .config import AttentionSpec
-from .errors import AttentionConfigError
-from .session import AttentionSession
+from .calibration.curve import SkipCalibration
+from .config import AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
+from .errors import AttentionConfigError, BackendUnavailableError
+from .ops import encode_quant
 
 
 @dataclass(frozen=True)
@@ -31,92 +39,193 @@ class CallSite:
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
-    """The decision for one call: the backend that runs, the kernel plan, and why (for logs and reports)."""
+class RoleTraits:
+    """What a model's attention role is: causal or not, and whether Skip-Softmax / SAGE may apply to it."""
 
-    backend: str
-    kernel: KernelPlan
+    category: str
+    causal: bool = False
+    sparse_ok: bool = True
+    quant_ok: bool = True
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Query heads, key/value heads and head_dim of one attention module."""
+
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+
+@dataclass(eq=False)
+class AttentionCall:
+    """How one call site runs. Fixed at install except ``skip_value`` (updated in place once per step) and
+    ``counts`` (accumulated by the op on the device)."""
+
+    site: CallSite
     spec_key: str
-    notes: tuple[str, ...] = ()
+    backend: str
+    causal: bool
+    quant: AttnQuantSpec | None
+    skip: SkipSoftmaxSpec | None
+    calibration: SkipCalibration | None = None
+    tile: tuple[int, int] = DEFAULT_TILE
+    dropped: str = ""
+    #: the backend was chosen for this site at install (else the op checks or chooses it at the first call)
+    planned: bool = True
+    skip_value: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.int64))
+    #: the op adds to ``counts`` (statistics are on and the site was planned for the device ``counts`` is on)
+    counting: bool = False
+    #: the spec's Skip-Softmax even where ``auto`` dropped it: what a calibration probe counts.
+    requested_skip: SkipSoftmaxSpec | None = None
+    #: calibration only (eager): this step's calls that would skip go to ``probe`` and then run dense.
+    probe: Callable | None = None
+    probing: bool = False
 
-    @property
-    def mode(self) -> str:
+    #: the op's arguments derived from the above, computed once (not on the traced path)
+    quant_arg: str = field(init=False)
+    per_kv_len: bool = field(init=False)
+
+    def __post_init__(self):
+        self.quant_arg = encode_quant(self.quant)
+        # λ is given (``threshold``): the op multiplies it by the call's longest key length.
+        self.per_kv_len = self.skip is not None and self.skip.threshold is not None
+
+    def mode(self, skipping: bool) -> str:
         """Short name of what runs: ``dense``, ``skip``, ``sage-int8``, ``sage-fp8_e4m3+skip``..."""
-        parts = []
-        if self.kernel.quant is not None:
-            parts.append(f"sage-{self.kernel.quant.dtype_qk}")
-        if self.kernel.skips:
-            parts.append("skip")
-        return "+".join(parts) or "dense"
+        parts = [f"sage-{self.quant.dtype_qk}"] if self.quant is not None else []
+        return "+".join(parts + (["skip"] if skipping else [])) or "dense"
 
-
-def skip_factor(spec: AttentionSpec, site: CallSite, session: AttentionSession, max_kv_len: int,
-                notes: list[str]) -> float:
-    """FlashInfer's threshold scale factor for this call (0 = no skipping), gate and calibration applied."""
-    skip = spec.skip_softmax
-    if skip is None or not skip.skips:
-        return 0.0
-    if skip.disabled_until_timestep > 0.0:
-        if session.timestep is None:
-            session.warn_once("gate-no-timestep", (
-                f"skip_softmax.disabled_until_timestep={skip.disabled_until_timestep} is set but no timestep is "
-                "known (install with enable_trtllm_attention(pipe, config) so the transformer's timestep is read); "
-                "attention stays dense"))
-            notes.append("dense: gate set, timestep unknown")
+    def step_value(self, timestep: float | None, skip: SkipSoftmaxSpec | None = None) -> float:
+        """The skip value for a step at normalized ``timestep`` (None: no timestep known)."""
+        skip = self.skip if skip is None else skip
+        if skip is None or not skip.skips:
             return 0.0
-        if session.timestep > skip.disabled_until_timestep:
-            notes.append(f"dense: t={session.timestep:.3f} > disabled_until_timestep={skip.disabled_until_timestep}")
+        if skip.disabled_until_timestep > 0.0 and (timestep is None or timestep > skip.disabled_until_timestep):
             return 0.0
-    if skip.threshold is not None:
-        return skip.threshold * max_kv_len
-    calibration = session.calibrations.get(site.component)
-    if calibration is None:
-        raise AttentionConfigError(
-            f"skip_softmax.target_sparsity={skip.target_sparsity} needs a Skip-Softmax calibration for component "
-            f"{site.component!r}, and it has none: load a calibrated checkpoint (its config.json carries "
-            "'sparse_attention_config'), run diffusers_trtllm.calibration.calibrate(pipe, prompts), or set "
-            "skip_softmax.threshold (λ) instead")
-    if calibration.keeps_dense(site.layer):
-        notes.append(f"dense: {site.layer} is kept dense by {site.component}'s calibration (ignore/targets)")
-        return 0.0
-    lo_hi = calibration.sparsity_range
-    if lo_hi is not None and not lo_hi[0] <= skip.target_sparsity <= lo_hi[1]:
-        session.warn_once(f"extrapolate-{site.component}", (
-            f"skip_softmax.target_sparsity={skip.target_sparsity} lies outside the sparsity range "
-            f"[{lo_hi[0]:.2f}, {lo_hi[1]:.2f}] observed when {site.component!r} was calibrated; the factor is "
-            "extrapolated"))
-    factor = calibration.factor(skip.target_sparsity)
-    if factor >= max_kv_len:
-        session.warn_once(f"lambda-ge-1-{site.component}", (
-            f"target_sparsity={skip.target_sparsity} gives λ = {factor / max_kv_len:.2f} >= 1 at kv_len "
-            f"{max_kv_len} on {site.component!r}: nearly every KV tile will be skipped"))
-    return factor
+        if skip.threshold is not None:
+            return skip.threshold
+        if self.calibration is None:
+            return 1.0  # a probed target_sparsity without calibration: counted, never run
+        if self.calibration.keeps_dense(self.site.layer):
+            return 0.0
+        return self.calibration.factor(skip.target_sparsity)
 
 
-def plan_attention(session: AttentionSession, site: CallSite, qkv: VarlenQKV, *, scale: float, causal: bool = False,
-                   sparse_ok: bool = True, quant_ok: bool = True, tile: tuple[int, int] = DEFAULT_TILE
-                   ) -> AttentionPlan:
-    """Decide how one attention call runs. ``sparse_ok`` / ``quant_ok`` are False for attention that must stay
-    dense / unquantized whatever the config says (the processor knows; the plan's notes say so)."""
-    key, spec = session.config.resolve(site.component, site.layer, site.role, site.category)
-    notes: list[str] = []
-    factor = skip_factor(spec, site, session, qkv.max_seqlen_kv, notes)
-    quant = spec.quant
-    if factor and not sparse_ok:
-        notes.append(f"dense: {site.role} attention does not take Skip-Softmax")
-        factor = 0.0
-    if factor and session.skip_probe is not None:
-        session.skip_probe(site, qkv, scale=scale, causal=causal, tile=tile)
-        notes.append("dense: Skip-Softmax calibration counted this call's skips")
-        factor = 0.0
-    if quant is not None and not quant_ok:
-        notes.append(f"unquantized: {site.role} attention does not take SAGE")
-        quant = None
-    kernel = KernelPlan(backend=spec.backend, scale=scale, causal=causal, skip_factor=factor, quant=quant, tile=tile,
-                        count_skips=session.collect_stats and factor > 0.0)
-    backend, why = select_backend(spec.backend, kernel, qkv)
-    kernel = replace(kernel, backend=backend)
-    if why:
-        session.info_once(f"auto-{backend}-{site.role}-{why}", f"{site.role} attention runs on {backend}: {why}")
-        notes.append(why)
-    return AttentionPlan(backend, kernel, key, tuple(notes))
+class CallPlanner:
+    """Every call site of a pipeline's transformers and how each runs.
+
+    Skip-Softmax calibration hands the calls that would skip to a probe: :meth:`set_probe`.
+    """
+
+    def __init__(self, config: AttentionConfig, calibrations: Mapping[str, SkipCalibration] | None = None, *,
+                 collect_stats: bool = True):
+        self.config = config
+        self.calibrations = dict(calibrations or {})
+        self.collect_stats = collect_stats
+        self.calls: dict[CallSite, AttentionCall] = {}
+        self.layouts: dict[CallSite, HeadLayout] = {}
+        self.traits: dict[CallSite, RoleTraits] = {}
+        self.timestep: float | None = None
+        self._warned: set[str] = set()
+
+    # --- install time -------------------------------------------------------------------------------------------
+    def add_site(self, site: CallSite, traits: RoleTraits, layout: HeadLayout) -> None:
+        self.traits[site] = traits
+        self.layouts[site] = layout
+
+    def call(self, site: CallSite) -> AttentionCall:
+        return self.calls[site]
+
+    def choose_backends(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Resolve every site's spec and backend for ``device`` / ``dtype``; raise for an explicit choice that
+        cannot run, warn once for what ``auto`` drops. Called at install and when the transformer moves."""
+        self.config.check_keys([(s.component, s.layer, s.role, s.category) for s in self.traits])
+        dropped: dict[str, list[str]] = {}
+        calls = {}
+        for site, traits in self.traits.items():
+            key, spec = self.config.resolve(site.component, site.layer, site.role, site.category)
+            call = self._plan_site(site, traits, key, spec, device, dtype)
+            previous = self.calls.get(site)
+            if previous is not None:  # processors hold the call objects: update in place
+                call.skip_value, call.counts, call.probe = previous.skip_value, previous.counts, previous.probe
+                previous.__dict__.update(call.__dict__)
+                call = previous
+            if call.dropped:
+                dropped.setdefault(call.dropped, []).append(site.role)
+            calls[site] = call
+        self.calls = calls
+        for why, roles in dropped.items():
+            self.warn_once(f"dropped-{why}", f"diffusers_trtllm: auto runs {sorted(set(roles))} attention dense: "
+                                             f"{why}")
+        self._allocate_counts(device)
+        self.plan_step(self.timestep)
+
+    def _plan_site(self, site: CallSite, traits: RoleTraits, key: str, spec: AttentionSpec,
+                   device: torch.device, dtype: torch.dtype) -> AttentionCall:
+        skip = spec.skip_softmax if traits.sparse_ok and spec.skips else None
+        quant = spec.quant if traits.quant_ok else None
+        calibration = None
+        if skip is not None and skip.target_sparsity is not None:
+            calibration = self._calibration_for(site, skip)
+        layout = self.layouts[site]
+        probe = torch.empty(1, layout.heads_q, layout.head_dim, device=device, dtype=dtype)
+        probe_kv = torch.empty(1, layout.heads_kv, layout.head_dim, device=device, dtype=dtype)
+        # The skip factor's value does not change what can run, only whether it skips: plan with "skips".
+        kernel = KernelPlan(backend=spec.backend, scale=layout.head_dim ** -0.5, causal=traits.causal,
+                            skip_factor=1.0 if skip is not None else 0.0, quant=quant)
+        try:
+            choice = select_backend(spec.backend, kernel, VarlenQKV(probe, probe_kv, probe_kv, (1,), (1,)))
+        except BackendUnavailableError as e:
+            raise BackendUnavailableError(
+                f"{site.qualified_layer} ({site.role} attention, per_role key {key!r}): {e}. Fix: give this "
+                f"role a backend that runs it, e.g. per_role {{{site.role!r}: {{\"backend\": \"auto\"}}}}") from None
+        requested_skip = skip
+        if choice.dropped:
+            skip, quant, calibration = None, None, None
+        return AttentionCall(site, key, choice.name, traits.causal, quant, skip, calibration, dropped=choice.dropped,
+                             requested_skip=requested_skip)
+
+    def _calibration_for(self, site: CallSite, skip: SkipSoftmaxSpec) -> SkipCalibration:
+        calibration = self.calibrations.get(site.component)
+        if calibration is None:
+            raise AttentionConfigError(
+                f"skip_softmax.target_sparsity={skip.target_sparsity} applies to {site.qualified_layer} but "
+                f"{site.component!r} has no Skip-Softmax calibration: load a calibrated checkpoint (its config.json "
+                "carries 'sparse_attention_config'), run diffusers_trtllm.calibrate(pipe, prompts, ...), pass "
+                "calibrations={...}, or set skip_softmax.threshold (λ) instead")
+        observed = calibration.sparsity_range
+        if observed is not None and not observed[0] <= skip.target_sparsity <= observed[1]:
+            self.warn_once(f"extrapolate-{site.component}", (
+                f"skip_softmax.target_sparsity={skip.target_sparsity} lies outside the sparsity range "
+                f"[{observed[0]:.2f}, {observed[1]:.2f}] observed when {site.component!r} was calibrated; its "
+                "factor is extrapolated"))
+        return calibration
+
+    def _allocate_counts(self, device: torch.device) -> None:
+        for call in self.calls.values():
+            if call.counts.device != device:
+                call.counts = torch.zeros(4, dtype=torch.int64, device=device)
+            call.counting = self.collect_stats
+
+    # --- once per denoising step ----------------------------------------------------------------------------------
+    def plan_step(self, timestep: float | None) -> None:
+        """Set every site's skip value for a step at normalized ``timestep`` (in place: no recompile)."""
+        self.timestep = timestep
+        for call in self.calls.values():
+            call.skip_value.fill_(call.step_value(timestep))
+            call.probing = call.probe is not None and call.step_value(timestep, call.requested_skip) > 0.0
+
+    def set_probe(self, probe: Callable | None) -> None:
+        """Hand every call that would skip to ``probe(site, qkv, scale=, causal=, tile=)`` and run it dense
+        (Skip-Softmax calibration; eager runs only). ``None`` ends probing."""
+        for call in self.calls.values():
+            call.probe = probe
+        self.plan_step(self.timestep)
+
+    # --- messages -------------------------------------------------------------------------------------------------
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)

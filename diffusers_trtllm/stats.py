@@ -1,68 +1,87 @@
-"""What ran: per denoising step and attention layer, the backend, the mode and the achieved sparsity."""
+"""What ran: per denoising step and attention layer, the backend, the mode and the achieved sparsity.
+
+Nothing is recorded on the per-call path: the attention op adds its tile counts to a per-site counter on the
+device, and at each step boundary (outside any traced region) :meth:`AttentionStats.close_step` keeps a copy of
+every counter and zeroes it. Values are read from the device only when a summary is asked for. Statistics hold
+the current (or last) pipeline call only: a new call clears them, so memory stays flat over many calls.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 
 @dataclass
 class CallRecord:
-    """Accumulated over every call of one layer in one step (CFG halves and batch items add up)."""
+    """Every call of one layer in one step (CFG halves and batch items add up)."""
 
     backend: str
     mode: str
     calls: int = 0
-    skipped: int | torch.Tensor = 0
-    total: int | torch.Tensor = 0
+    skipped: int = 0
+    total: int = 0
     counted: bool = True
-
-    def add(self, skipped, total) -> None:
-        self.calls += 1
-        if skipped is None or total is None:
-            self.counted = False
-        elif self.counted:
-            self.skipped = self.skipped + skipped
-            self.total = self.total + total
 
     @property
     def sparsity(self) -> float | None:
         """Skipped KV tiles / all tiles, or None when the backend did not count."""
         if not self.counted:
             return None
-        total = int(self.total)
-        return int(self.skipped) / total if total else 0.0
+        return self.skipped / self.total if self.total else 0.0
 
 
-@dataclass
 class AttentionStats:
     """Records keyed by ``(step, "component.layer", backend, mode)``: a layer whose attention calls run
-    differently (Cosmos 3's dense causal stream beside its skipping generation stream) keeps one record per way.
-    Device counters are summed lazily, so recording never waits for the GPU."""
+    differently (Cosmos 3's dense causal stream beside its skipping generation stream) keeps one record per way."""
 
-    records: dict = field(default_factory=dict)
+    def __init__(self):
+        self._pending: list[tuple[int, str, str, str, torch.Tensor]] = []
+        self._records: dict = {}
 
-    def record(self, step: int, layer: str, backend: str, mode: str, skipped, total) -> None:
-        key = (step, layer, backend, mode)
-        if key not in self.records:
-            self.records[key] = CallRecord(backend, mode)
-        self.records[key].add(skipped, total)
+    def close_step(self, step: int, calls: Iterable) -> None:
+        """Keep a copy of each call site's device counters as step ``step`` and zero them (no host sync)."""
+        for call in calls:
+            if not call.counting:
+                continue
+            mode = call.mode(bool(call.skip_value))
+            self._pending.append((step, call.site.qualified_layer, call.backend, mode, call.counts.clone()))
+            call.counts.zero_()
 
     def clear(self) -> None:
-        self.records.clear()
+        self._pending.clear()
+        self._records.clear()
+
+    @property
+    def records(self) -> dict:
+        """``{(step, layer, backend, mode): CallRecord}`` for every site that ran (reads the device counters)."""
+        if self._pending:
+            values = torch.stack([p[4].cpu() for p in self._pending]).tolist()
+            for (step, layer, backend, mode, _), (skipped, total, calls, counted) in zip(self._pending, values):
+                if not calls:
+                    continue
+                rec = self._records.setdefault((step, layer, backend, mode), CallRecord(backend, mode))
+                rec.calls += calls
+                rec.skipped += skipped
+                rec.total += total
+                rec.counted = rec.counted and counted == calls
+            self._pending.clear()
+        return self._records
 
     def _sparsity_by(self, index: int) -> dict:
         skipped, total, uncounted = defaultdict(int), defaultdict(int), set()
-        for key, rec in self.records.items():
+        records = self.records
+        for key, rec in records.items():
             group = key[index]
             if rec.counted:
-                skipped[group] += int(rec.skipped)
-                total[group] += int(rec.total)
+                skipped[group] += rec.skipped
+                total[group] += rec.total
             else:
                 uncounted.add(group)
-        groups = sorted({key[index] for key in self.records}, key=str)
+        groups = sorted({key[index] for key in records}, key=str)
         return {g: (None if g in uncounted and not total[g] else
                     (skipped[g] / total[g] if total[g] else 0.0)) for g in groups}
 
@@ -83,8 +102,8 @@ class AttentionStats:
 
     def summary(self) -> dict:
         """One-call summary: overall sparsity, per step, per layer, and the modes that ran."""
-        skipped = sum(int(r.skipped) for r in self.records.values() if r.counted)
-        total = sum(int(r.total) for r in self.records.values() if r.counted)
+        counted = [r for r in self.records.values() if r.counted]
+        skipped, total = sum(r.skipped for r in counted), sum(r.total for r in counted)
         return {"sparsity": skipped / total if total else None, "per_step": self.per_step(),
                 "per_layer": self.per_layer(), "modes": self.modes()}
 

@@ -9,14 +9,13 @@ import warnings
 import pytest
 import torch
 
-from diffusers_trtllm import AttentionConfig, AttentionConfigError, AttentionSession, enable_trtllm_attention
-from diffusers_trtllm.backends.base import VarlenQKV
+from diffusers_trtllm import AttentionConfig, AttentionConfigError, enable_trtllm_attention
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.calibration import (SkipCalibration, calibrations_from_pretrained, calibrations_from_transformers,
                                           checkpoint_attention_config, count_skips, load_calibration,
                                           parse_sparse_attention_config, skip_gaps, sparse_attention_config,
                                           write_calibration)
-from diffusers_trtllm.plan import CallSite, plan_attention
+from diffusers_trtllm.plan import CallPlanner, CallSite, HeadLayout, RoleTraits
 from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline, tiny_wan_transformer
 
 MODELOPT_047 = {
@@ -137,29 +136,33 @@ def test_loaded_pipeline_carries_the_curve_into_the_session(tmp_path):
         warnings.simplefilter("ignore")
         pipe.transformer = WanTransformer3DModel.from_pretrained(tmp_path / "transformer")
     with enable_trtllm_attention(pipe, {"default": {"skip_softmax": {"target_sparsity": 0.5}}}) as handle:
-        cal = handle.session.calibrations["transformer"]
+        cal = handle.planner.calibrations["transformer"]
     assert (cal.a, cal.b) == (7.93, 8.61)
 
 
-def _self_attention_plan(session, layer="blocks.0.attn1", role="self_attn", kv_len=4096):
-    qkv = VarlenQKV.from_bshd(*(torch.zeros(1, kv_len, 1, 8) for _ in range(3)))
-    return plan_attention(session, CallSite("transformer", layer, role, role.split("_")[0]), qkv, scale=1.0)
+def _planned_self_attention(config, calibrations, layers=("blocks.0.attn1",)):
+    """The calls a planner makes for self-attention layers of head_dim 8 on the CPU (no timestep gate)."""
+    planner = CallPlanner(AttentionConfig.coerce(config), calibrations)
+    sites = [CallSite("transformer", layer, "self_attn", "self") for layer in layers]
+    for site in sites:
+        planner.add_site(site, RoleTraits("self"), HeadLayout(1, 1, 8))
+    planner.choose_backends(torch.device("cpu"), torch.float32)
+    return [planner.calls[site] for site in sites]
 
 
 def test_ignore_and_targets_keep_layers_dense():
     config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"target_sparsity": 0.5}}}
     cal = SkipCalibration(a=100.0, b=2.0, ignore=("blocks.1.*",))
-    session = AttentionSession(config, {"transformer": cal})
-    assert _self_attention_plan(session).kernel.skip_factor == pytest.approx(cal.factor(0.5))
-    plan = _self_attention_plan(session, layer="blocks.1.attn1")
-    assert plan.kernel.skip_factor == 0.0 and any("kept dense" in note for note in plan.notes)
+    kept, ignored = _planned_self_attention(config, {"transformer": cal}, ("blocks.0.attn1", "blocks.1.attn1"))
+    assert float(kept.skip_value) == pytest.approx(cal.factor(0.5))
+    assert float(ignored.skip_value) == 0.0
     # targets name attention classes; bound to a transformer, layers of other classes stay dense
     transformer = tiny_wan_transformer()
     other = SkipCalibration(a=100.0, b=2.0, targets=("LlamaAttention",))
     bound = calibrations_from_transformers({"transformer": transformer}, {"transformer": other})["transformer"]
     assert bound.dense_layers == {"blocks.0.attn1", "blocks.0.attn2", "blocks.1.attn1", "blocks.1.attn2"}
-    session = AttentionSession(config, {"transformer": bound})
-    assert _self_attention_plan(session).kernel.skip_factor == 0.0
+    (call,) = _planned_self_attention(config, {"transformer": bound})
+    assert float(call.skip_value) == 0.0
 
 
 def test_checkpoint_defaults_fill_only_what_the_user_left_unset():
@@ -190,16 +193,12 @@ def test_target_sparsity_without_calibration_fails_at_install():
         enable_trtllm_attention(pipe, config, calibrations={"transformer": SkipCalibration(a=1.0, b=1.0)})
 
 
-def test_plan_warns_for_extrapolation_and_lambda_at_least_one():
+def test_install_warns_for_extrapolation():
     cal = SkipCalibration(a=100.0, b=10.0, sparsity_range=(0.2, 0.5))
     config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"target_sparsity": 0.7}}}
-    session = AttentionSession(config, {"transformer": cal})
-    with pytest.warns(UserWarning) as record:
-        plan = _self_attention_plan(session, kv_len=4096)
-    messages = " ".join(str(w.message) for w in record)
-    assert "outside the sparsity range [0.20, 0.50]" in messages
-    assert f"λ = {cal.factor(0.7) / 4096:.2f} >= 1" in messages
-    assert plan.kernel.skip_factor == pytest.approx(cal.factor(0.7))
+    with pytest.warns(UserWarning, match=r"target_sparsity=0.7 lies outside the sparsity range \[0.20, 0.50\]"):
+        (call,) = _planned_self_attention(config, {"transformer": cal})
+    assert float(call.skip_value) == pytest.approx(cal.factor(0.7))
 
 
 def test_sparse_attention_config_is_modelopt_schema():

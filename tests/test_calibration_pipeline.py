@@ -86,16 +86,17 @@ def test_reloaded_pipeline_hits_each_target(calibrated):
     pipe = WanPipeline.from_pretrained(folder)  # diffusers logs that it keeps the unexpected config key
     pipe.set_progress_bar_config(disable=True)
     for target in TARGETS:
-        config = {"default": {"skip_softmax": {"target_sparsity": target}}}  # auto: reference where it skips
+        config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"target_sparsity": target}}}
+        per_prompt = []
         with enable_trtllm_attention(pipe, config) as handle:
-            assert handle.session.calibrations["transformer"].sparsity_range == \
+            assert handle.planner.calibrations["transformer"].sparsity_range == \
                 result.fits["transformer"].calibration.sparsity_range
             for i, prompt in enumerate(PROMPTS):
-                handle.session.reset()
                 pipe(prompt, generator=torch.Generator().manual_seed(i), output_type="latent", **SHAPE)
-        achieved = achieved_sparsity(handle.stats)
-        assert set(achieved) == {"transformer", "transformer_2"}
-        for component, sparsity in achieved.items():
+                per_prompt.append(achieved_sparsity(handle.stats))  # statistics hold the last pipeline call
+        assert all(set(achieved) == {"transformer", "transformer_2"} for achieved in per_prompt)
+        for component in ("transformer", "transformer_2"):
+            sparsity = sum(achieved[component] for achieved in per_prompt) / len(per_prompt)
             assert abs(sparsity - target) < 0.1, (component, target, sparsity)
 
 

@@ -8,9 +8,8 @@ import torch
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
 from helpers import max_rel_err, predicted_gate_modes
 
-import diffusers_trtllm.processors.base as processor_base
 from diffusers_trtllm import Cosmos3TrtllmAttnProcessor, enable_trtllm_attention
-from diffusers_trtllm.processors.cosmos3 import read_noisy_timesteps
+from diffusers_trtllm.install import read_timestep_arguments
 from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_pipeline, tiny_cosmos3_transformer
 
 DENSE_SDPA = {"default": {"backend": "TORCH_SDPA"}}
@@ -75,28 +74,18 @@ def test_pipeline_matches_default_processors_and_restores():
     ({"quant": {"dtype_qk": "int8"}}, "sage-int8"),
     ({"quant": {"dtype_qk": "fp8_e4m3"}, "skip_softmax": {"threshold": 0.2}}, "sage-fp8_e4m3+skip")],
     ids=["skip", "sage-int8", "sage-fp8+skip"])
-def test_skip_and_sage_apply_to_generation_stream_only(spec, gen_mode, monkeypatch):
-    """The causal text stream stays dense and unquantized whatever the config says, and its plan says why."""
-    plans, plan_attention = {}, processor_base.plan_attention
-
-    def recording_plan(session, site, *args, **kwargs):
-        plans[site.role] = plan_attention(session, site, *args, **kwargs)
-        return plans[site.role]
-
-    monkeypatch.setattr(processor_base, "plan_attention", recording_plan)
+def test_skip_and_sage_apply_to_generation_stream_only(spec, gen_mode):
+    """The causal text stream stays dense and unquantized whatever the config says; the plan says so."""
     pipe = tiny_cosmos3_pipeline()
     reference = generate(pipe, steps=1)
     with enable_trtllm_attention(pipe, {"default": {"backend": "TORCH_REFERENCE", **spec}}) as handle:
         out = generate(pipe, steps=1)
-    assert plans["gen_full"].mode == gen_mode
+        calls = {site.role: call for site, call in handle.planner.calls.items()}
     assert handle.stats.modes() == {0: {"TORCH_REFERENCE:dense": 2, f"TORCH_REFERENCE:{gen_mode}": 2}}
-    causal = plans["und_causal"]
-    assert causal.mode == "dense" and causal.kernel.causal
+    causal = calls["und_causal"]
+    assert causal.causal and causal.skip is None and causal.quant is None
     if "skip_softmax" in spec:
-        assert "dense: und_causal attention does not take Skip-Softmax" in causal.notes
         assert handle.stats.summary()["sparsity"] > 0.1
-    if "quant" in spec:
-        assert "unquantized: und_causal attention does not take SAGE" in causal.notes
     assert max_rel_err(out, reference) < 0.1
 
 
@@ -121,7 +110,8 @@ def test_gate_switches_at_predicted_step():
 
 
 def test_timestep_reader_takes_every_noisy_modality():
+    names = Cosmos3TrtllmAttnProcessor.TIMESTEP_ARGUMENTS
     bound = {"vision_timesteps": torch.full((6,), 750.0), "sound_timesteps": torch.empty(0),
              "action_timesteps": torch.full((2,), 900.0)}
-    assert read_noisy_timesteps(bound).max() == 900.0
-    assert read_noisy_timesteps({"vision_timesteps": torch.empty(0)}) is None
+    assert read_timestep_arguments(bound, names).max() == 900.0
+    assert read_timestep_arguments({"vision_timesteps": torch.empty(0)}, names) is None

@@ -84,12 +84,13 @@ def test_set_attn_processor_hands_text_refiner_to_diffusers():
     """``set_attn_processor(proc)`` replaces the refiner's processors too; refiner calls run diffusers' own
     AttnProcessor2_0 math, so the plan only sees joint attention."""
     transformer = tiny_hunyuan_video15_transformer()
+    inputs = transformer_inputs()
+    reference = run(transformer, inputs)
     processor = HunyuanVideo15TrtllmAttnProcessor(DENSE_REFERENCE)
     transformer.set_attn_processor(processor)
     refiner = transformer.context_embedder.token_refiner.refiner_blocks[0].attn
     assert refiner.processor is processor and not processor.serves(refiner)
-    run(transformer, transformer_inputs())
-    assert len(processor.session.stats.per_layer()) == 2  # the two joint blocks; the refiner is not planned
+    assert max_rel_err(run(transformer, inputs), reference) <= 1e-5
 
 
 def test_enable_installs_on_joint_blocks_only_and_restores():
@@ -105,7 +106,6 @@ def test_enable_installs_on_joint_blocks_only_and_restores():
             assert isinstance(installed[key], HunyuanVideo15TrtllmAttnProcessor) == is_joint
             assert is_joint or isinstance(installed[key], AttnProcessor2_0) and installed[key] is original
         assert max_rel_err(run(transformer, inputs), reference) <= 1e-5
-        assert handle.session.timestep == pytest.approx(0.7)
         assert handle.stats.modes() == {0: {"TORCH_REFERENCE:dense": 2}}
     assert all(transformer.attn_processors[key] is proc for key, proc in originals.items())
 

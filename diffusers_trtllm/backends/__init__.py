@@ -1,34 +1,56 @@
 """Backend registry and selection: one dispatch call over small backend modules that declare their limits.
 
-``TRTLLM_ATTN`` (FlashInfer's TRT-LLM kernels, and this package's SAGE kernel on Hopper), ``TORCH_SDPA`` (dense
-baseline) and ``TORCH_REFERENCE`` (PyTorch ground truth with every feature, any device).
+``TRTLLM_ATTN`` (FlashInfer's TRT-LLM kernels, and this package's SAGE kernels on Hopper), ``TORCH_SDPA`` (dense
+baseline) and ``TORCH_REFERENCE`` (PyTorch ground truth with every feature, any device: for tests, calibration
+and explicit use; ``auto`` never picks it).
 """
 
 from __future__ import annotations
 
-from ..config import AUTO
+from dataclasses import dataclass, replace
+
+from ..config import AUTO, TORCH_REFERENCE
 from ..errors import BackendUnavailableError
 from . import reference, sdpa, trtllm  # noqa: F401  (registration)
 from .base import KernelPlan, KernelResult, VarlenQKV, get_backend, registered_backends
 
 
-def select_backend(requested: str, plan: KernelPlan, qkv: VarlenQKV) -> tuple[str, str]:
-    """Return ``(backend name, why)``. An explicit backend that cannot run raises with its reason; ``auto``
-    takes the most preferred backend that can and says why the better ones could not (``why`` is "" for an
-    explicit choice)."""
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend that runs a call site; ``dropped`` says which requested features ``auto`` could not keep and
+    why ("" when all were kept)."""
+
+    name: str
+    dropped: str = ""
+
+
+def _features(plan: KernelPlan) -> list[str]:
+    return (["Skip-Softmax"] if plan.skips else []) + ([f"SAGE {plan.quant.dtype_qk}"] if plan.quant else [])
+
+
+def select_backend(requested: str, plan: KernelPlan, qkv: VarlenQKV) -> BackendChoice:
+    """An explicit backend that cannot run ``plan`` raises with its reason. ``auto`` takes the most preferred
+    backend that runs the plan; when none does (skip or SAGE on a GPU without TRT-LLM kernels, or on a CPU), it
+    takes the fastest dense backend and says in ``dropped`` what was dropped and why."""
     if requested != AUTO:
         reason = get_backend(requested).unavailable_reason(plan, qkv)
         if reason:
-            raise BackendUnavailableError(f"backend {requested} cannot run this attention call: {reason}")
-        return requested, ""
+            raise BackendUnavailableError(f"backend {requested} cannot run this attention: {reason}")
+        return BackendChoice(requested)
+    candidates = [b for b in registered_backends() if b.name != TORCH_REFERENCE]
     passed_over = []
-    for backend in registered_backends():
+    for backend in candidates:
         reason = backend.unavailable_reason(plan, qkv)
         if reason is None:
-            why = "auto: " + ("; ".join(passed_over) if passed_over else f"{backend.name} is the preferred backend")
-            return backend.name, why
-        passed_over.append(f"{backend.name} unavailable ({reason})")
-    raise BackendUnavailableError("no backend can run this attention call: " + "; ".join(passed_over))
+            return BackendChoice(backend.name)
+        passed_over.append(f"{backend.name}: {reason}")
+    features = _features(plan)
+    if features:
+        dense = replace(plan, skip_factor=0.0, quant=None)
+        for backend in candidates:
+            if backend.unavailable_reason(dense, qkv) is None:
+                return BackendChoice(backend.name, f"{' and '.join(features)} dropped ({'; '.join(passed_over)})")
+    raise BackendUnavailableError("no backend can run this attention: " + "; ".join(passed_over))
 
 
 def run_backend(name: str, qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:

@@ -7,8 +7,9 @@ an explicit choice that cannot run raises with the reason and ``auto`` can pick 
 
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -16,6 +17,15 @@ import torch
 from ..config import AttnQuantSpec
 
 DEFAULT_TILE = (128, 128)  # (query rows, key columns) per skip decision: FMHAv2's granularity on Hopper
+
+
+@functools.lru_cache(maxsize=256)
+def device_cu_seqlens(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``[0, l0, l0 + l1, ...]`` int32 on ``device``, cached per (lengths, device)."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
 @dataclass
@@ -33,7 +43,6 @@ class VarlenQKV:
     v: torch.Tensor
     seqlens_q: tuple[int, ...]
     seqlens_kv: tuple[int, ...]
-    _cu_cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.q.dim() != 3 or self.k.dim() != 3 or self.v.dim() != 3:
@@ -78,14 +87,8 @@ class VarlenQKV:
 
     def cu_seqlens(self, which: str) -> torch.Tensor:
         """Cumulative lengths ``[batch + 1]`` int32 on the tensors' device (``which`` is ``"q"`` or ``"kv"``),
-        built once per batch."""
-        if which not in self._cu_cache:
-            lens = self.seqlens_q if which == "q" else self.seqlens_kv
-            cu = [0]
-            for n in lens:
-                cu.append(cu[-1] + n)
-            self._cu_cache[which] = torch.tensor(cu, dtype=torch.int32, device=self.q.device)
-        return self._cu_cache[which]
+        copied to the device once per distinct batch shape (a copy per call would stall the host)."""
+        return device_cu_seqlens(self.seqlens_q if which == "q" else self.seqlens_kv, self.q.device)
 
     def tile_count(self, tile: tuple[int, int]) -> int:
         """(head, query tile, KV tile) triples over the batch: the denominator of achieved sparsity."""

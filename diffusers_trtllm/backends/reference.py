@@ -91,7 +91,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
                 below = (tmax == -math.inf) | ((m > -math.inf) & (torch.exp(tmax - m) < skip_lambda))
                 padded = torch.nn.functional.pad(below, (0, row_pad), value=True)
                 tile_skip = padded.view(hq, ntq, tq).all(dim=-1)  # [H, ntq]
-                skipped += int(tile_skip.sum())
+                skipped = skipped + tile_skip.sum()  # stays on the device: no sync per tile
                 skip_rows = tile_skip.repeat_interleave(tq, dim=1)[:, :rows]
                 new_m = torch.where(skip_rows, m, new_m)
             else:

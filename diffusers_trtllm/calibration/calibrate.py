@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import platform
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,7 @@ class CalibrationResult:
 
 
 class _SkipProbe:
-    """The session's ``skip_probe``: per (component, prompt, kv_len), tiles each λ skips and tiles in all."""
+    """The planner's probe: per (component, prompt, kv_len), tiles each λ skips and tiles in all."""
 
     def __init__(self, lambdas: Sequence[float]):
         self.lambdas = tuple(lambdas)
@@ -198,7 +199,6 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
         pipe_kwargs: passed to the pipeline (``guidance_scale``...).
     """
     from ..install import enable_trtllm_attention  # here: install imports this package (curves)
-    from ..processors.base import TrtllmAttnProcessor
 
     lambdas = tuple(float(lam) for lam in lambdas)
     bad = [lam for lam in lambdas if not 0.0 < lam <= 1.0]
@@ -211,15 +211,17 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
     config = {"default": {"backend": backend},
               "per_role": {**{role: sparse for role in sparse_roles}, **{name: {"backend": backend} for name in ignore}}}
     probe = _SkipProbe(lambdas)
-    with enable_trtllm_attention(pipe, config, collect_stats=False) as handle:
-        served = {component: tuple(sorted(p.layer for p in getattr(pipe, component).attn_processors.values()
-                                          if isinstance(p, TrtllmAttnProcessor)))
+    with warnings.catch_warnings():
+        # Probed calls run dense anyway: auto dropping Skip-Softmax on this machine changes nothing here.
+        warnings.filterwarnings("ignore", message="diffusers_trtllm: auto runs")
+        handle = enable_trtllm_attention(pipe, config, collect_stats=False)
+    with handle:
+        served = {component: tuple(sorted({site.layer for site in handle.planner.calls if site.component == component}))
                   for component in handle.components}
-        handle.session.skip_probe = probe
+        handle.planner.set_probe(probe)
         bar = _progress(prompts, progress)
         for i, prompt in enumerate(bar):
             probe.prompt = i
-            handle.session.reset()
             pipe(prompt, height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
                  generator=torch.Generator().manual_seed(seed + i), output_type="latent", **pipe_kwargs)
             if hasattr(bar, "set_postfix"):

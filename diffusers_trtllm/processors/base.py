@@ -1,102 +1,124 @@
 """``TrtllmAttnProcessor``: the base of every model's processor.
 
-A subclass does the model's projections, normalisation and rotary embedding exactly as diffusers' default
-processor does, and hands Q/K/V to :meth:`TrtllmAttnProcessor.attend` (``[B, S, H, D]``) or
-:meth:`TrtllmAttnProcessor.attend_varlen` (packed sequences) with the role of that attention. The base resolves
-the spec for the layer, role and current timestep into a plan, runs it, and records what ran.
+A model's processor subclasses diffusers' own processor for that model and this base: diffusers' code does the
+projections, norms, rotary embedding and output projection, and its ``dispatch_attention_fn`` calls reach this
+package's ``"trtllm"`` dispatcher backend; the processor only announces which call site (layer and role) each of
+those calls is. Parity with diffusers' default processor holds by construction, in every diffusers version.
+
+Two forms:
+
+- installed by :func:`~diffusers_trtllm.enable_trtllm_attention`: one processor per attention layer, planned at
+  install (per-layer specs, backend for the GPU, calibrations, timestep gate, statistics);
+- ``transformer.set_attn_processor(WanTrtllmAttnProcessor(config))``: one processor for every layer. It does not
+  know layer names, the pipeline's timestep or the transformer's calibration, so a config that needs them (layer
+  or component keys, ``disabled_until_timestep``, ``target_sparsity``) raises at construction; ``auto`` is
+  resolved at the first call of each kind.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Mapping
 
 import torch
 
-from ..backends import run_backend
-from ..backends.base import VarlenQKV
 from ..config import AttentionConfig
-from ..plan import AttentionPlan, CallSite, plan_attention
-from ..session import AttentionSession, TimestepReader, read_timestep_kwarg
+from ..dispatch import BACKEND, announce
+from ..errors import AttentionConfigError
+from ..plan import AttentionCall, CallSite, HeadLayout, RoleTraits
 
 
 class TrtllmAttnProcessor:
-    """Base attention processor.
+    """Base attention processor (see the module docstring for the two forms).
 
     Args:
-        config: an :class:`~diffusers_trtllm.AttentionConfig` (or spec, dict, JSON string); ignored when
-            ``session`` is given. A processor built from a config owns a fresh session, which knows no timestep:
-            use :func:`~diffusers_trtllm.enable_trtllm_attention` when a timestep gate is configured.
-        session: the pipeline's :class:`~diffusers_trtllm.session.AttentionSession` (shared by its processors).
-        component: the pipeline component this processor serves (``"transformer"``, ``"transformer_2"``).
-        layer: the attention module's name in the transformer; when ``None`` it is looked up in the session.
+        config: an :class:`~diffusers_trtllm.AttentionConfig` (or spec, dict, JSON string) for the unbound form.
+        calls: role -> planned :class:`~diffusers_trtllm.plan.AttentionCall` (what ``enable_trtllm_attention``
+            passes); ``config`` is then ignored.
     """
 
-    #: role -> category (``self``, ``cross`` or ``joint``); the keys are the role names configs can target.
-    ROLES: ClassVar[dict[str, str]] = {}
+    #: role -> traits (category, causal, whether Skip-Softmax / SAGE may apply); keys are what configs target.
+    ROLES: ClassVar[dict[str, RoleTraits]] = {}
     #: class names of the attention modules this processor serves.
     ATTENTION_CLASSES: ClassVar[tuple[str, ...]] = ()
     #: class names of the transformers it is made for.
     TRANSFORMER_CLASSES: ClassVar[tuple[str, ...]] = ()
-    #: how the transformer's forward arguments give the raw scheduler timestep.
-    read_timestep: ClassVar[TimestepReader] = staticmethod(read_timestep_kwarg("timestep"))
+    #: the transformer arguments that carry the raw timestep (read only without a pipeline scheduler).
+    TIMESTEP_ARGUMENTS: ClassVar[tuple[str, ...]] = ("timestep",)
 
-    # diffusers sets these on processors; they are read by its dispatcher, which this processor does not use.
-    _attention_backend = None
     _parallel_config = None
 
-    def __init__(self, config: AttentionConfig | dict | str | None = None, *,
-                 session: AttentionSession | None = None, component: str = "transformer", layer: str | None = None):
-        self.session = session if session is not None else AttentionSession(config)
-        self.component = component
-        self.layer = layer
-        self.last_plan: AttentionPlan | None = None
+    def __init__(self, config: AttentionConfig | Mapping | str | None = None, *,
+                 calls: Mapping[str, AttentionCall] | None = None):
+        self.calls = dict(calls) if calls is not None else self._unbound_calls(AttentionConfig.coerce(config))
+
+    @property
+    def _attention_backend(self):
+        return BACKEND
+
+    @_attention_backend.setter
+    def _attention_backend(self, backend) -> None:
+        if backend is not None and str(getattr(backend, "value", backend)).lower() == BACKEND.value:
+            return
+        raise ValueError(
+            f"{type(self).__name__} runs attention through the {BACKEND.value!r} backend; to use attention "
+            f"backend {backend!r}, restore the model's processors first (handle.restore() or "
+            "set_default_attn_processor())")
 
     @classmethod
+    def _unbound_calls(cls, config: AttentionConfig) -> dict[str, AttentionCall]:
+        role_keys = set(cls.ROLES) | {t.category for t in cls.ROLES.values()}
+        other = sorted(set(config.per_role) - role_keys)
+        if other:
+            raise AttentionConfigError(
+                f"per_role keys {other} name layers or components, which {cls.__name__} alone cannot know: install "
+                f"with diffusers_trtllm.enable_trtllm_attention(transformer, config), or use role keys "
+                f"{sorted(role_keys)}")
+        calls = {}
+        for role, traits in cls.ROLES.items():
+            key, spec = config.resolve("transformer", "*", role, traits.category)
+            skip = spec.skip_softmax if traits.sparse_ok and spec.skips else None
+            if skip is not None and (skip.disabled_until_timestep > 0 or skip.target_sparsity is not None):
+                raise AttentionConfigError(
+                    f"{role}: skip_softmax.disabled_until_timestep / target_sparsity need the pipeline's timestep "
+                    f"and the transformer's calibration, which {cls.__name__} alone does not see: install with "
+                    "diffusers_trtllm.enable_trtllm_attention(pipe, config), or set skip_softmax.threshold only")
+            call = AttentionCall(CallSite("transformer", "*", role, traits.category), key, spec.backend,
+                                 traits.causal, spec.quant if traits.quant_ok else None, skip, planned=False)
+            call.skip_value.fill_(call.step_value(None))
+            calls[role] = call
+        return calls
+
+    def announce(self, *roles: str, valid_lengths: torch.Tensor | None = None) -> None:
+        """The next ``dispatch_attention_fn`` calls are these roles' (in order)."""
+        announce(*((self.calls[role], valid_lengths) for role in roles))
+
+    # --- what install needs to know about a model -------------------------------------------------------------
+    @classmethod
     def serves(cls, module: torch.nn.Module) -> bool:
-        """Whether this processor takes over ``module``'s attention; ``enable_trtllm_attention`` leaves the
-        processors of other modules as they are. Subclasses narrow it when one attention class serves several
-        purposes (HunyuanVideo 1.5's text refiner and its joint blocks both use diffusers' ``Attention``)."""
+        """Whether this processor takes over ``module``'s attention; other modules keep their processors."""
         return type(module).__name__ in cls.ATTENTION_CLASSES
 
-    def check_module(self, attn: torch.nn.Module) -> None:
-        """Raise ``TypeError`` when ``attn`` is not an attention module of the model this processor is made for
-        (``transformer.set_attn_processor`` accepts any processor; a wrong one would fail deep in the model code)."""
-        name = type(attn).__name__
-        if name in self.ATTENTION_CLASSES:
-            return
-        right = [cls.__name__ for cls in TrtllmAttnProcessor.__subclasses__() if name in cls.ATTENTION_CLASSES]
-        hint = f"; its processor is {right[0]}" if right else "; this package has no processor for it"
-        raise TypeError(f"{type(self).__name__} is made for {', '.join(self.TRANSFORMER_CLASSES)} "
-                        f"({', '.join(self.ATTENTION_CLASSES)} modules) but was called on a {name}{hint} "
-                        "(or use enable_trtllm_attention, which picks the processor from the model)")
+    @classmethod
+    def roles_of(cls, module: torch.nn.Module) -> tuple[str, ...]:
+        """The roles of the attention calls ``module`` makes."""
+        return tuple(cls.ROLES)
 
-    def call_site(self, attn: torch.nn.Module, role: str) -> CallSite:
-        if self.layer is not None:
-            component, layer = self.component, self.layer
-        else:
-            component, layer = self.session.layer_of(attn, self.component)
-        return CallSite(component, layer, role, self.ROLES[role])
+    @classmethod
+    def head_layout(cls, module: torch.nn.Module) -> HeadLayout:
+        return HeadLayout(module.heads, module.heads, module.inner_dim // module.heads)
 
-    def attend_varlen(self, attn: torch.nn.Module, qkv: VarlenQKV, role: str, *, causal: bool = False,
-                      sparse_ok: bool = True, quant_ok: bool = True, scale: float | None = None) -> torch.Tensor:
-        """Run one attention call on packed sequences; returns ``[total_q, heads_q, head_dim]`` in q's dtype."""
-        if self._parallel_config is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__} does not implement context parallelism (Ulysses/ring); install it on a "
-                "transformer without enable_parallelism(...)")
-        site = self.call_site(attn, role)
-        plan = plan_attention(self.session, site, qkv, scale=qkv.head_dim ** -0.5 if scale is None else scale,
-                              causal=causal, sparse_ok=sparse_ok, quant_ok=quant_ok)
-        result = run_backend(plan.backend, qkv, plan.kernel)
-        self.last_plan = plan
-        if self.session.collect_stats:
-            skipped = result.skipped_tiles if plan.kernel.skips else 0
-            self.session.stats.record(self.session.step, site.qualified_layer, plan.backend, plan.mode, skipped,
-                                      qkv.tile_count(plan.kernel.tile))
-        return result.out
+    @classmethod
+    def check_module(cls, attn: torch.nn.Module) -> None:
+        """Raise, naming the classes, when this processor is called on an attention module it was not made for."""
+        if not cls.serves(attn):
+            raise TypeError(f"{cls.__name__} serves {list(cls.ATTENTION_CLASSES)} attention "
+                            f"({', '.join(cls.TRANSFORMER_CLASSES)}); it was called on a {type(attn).__name__}")
 
-    def attend(self, attn: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, role: str,
-               **kwargs) -> torch.Tensor:
-        """Run one attention call on equal-length ``[B, S, H, D]`` tensors; returns ``[B, S_q, H_q, D]``."""
-        qkv = VarlenQKV.from_bshd(query.contiguous(), key.contiguous(), value.contiguous())
-        return self.attend_varlen(attn, qkv, role, **kwargs).view(query.shape)
+    @classmethod
+    def shared_state(cls) -> dict:
+        """Keyword arguments shared by the processors of one transformer (none by default)."""
+        return {}
+
+    def install_hooks(self, transformer: torch.nn.Module) -> list:
+        """Forward hooks a model's processors need on the transformer (none by default); returns their handles."""
+        return []

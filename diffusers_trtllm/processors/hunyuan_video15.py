@@ -1,73 +1,93 @@
 """``HunyuanVideo15TrtllmAttnProcessor`` for ``HunyuanVideo15Transformer3DModel`` (HunyuanVideo 1.5).
 
-Roles:
+Role ``joint_attn`` (category ``joint``): ``transformer_blocks.N.attn``, one attention over the joint sequence
+``[video tokens, text tokens]`` (77,585 tokens at 720p/81 frames, 16 heads of 128). Video tokens carry 3-D RoPE;
+text tokens (image, ByT5 and MLLM embeddings, reordered by the transformer so that each sample's valid tokens come
+first) have their own projections and no RoPE.
 
-- ``joint_attn`` (category ``joint``): ``transformer_blocks.N.attn``, one attention over the joint sequence
-  ``[video tokens, text tokens]`` (77,585 tokens at 720p/81 frames, 16 heads of 128). Video tokens carry 3-D RoPE;
-  text tokens (image, ByT5 and MLLM embeddings, reordered by the transformer so that each sample's valid tokens
-  come first) have their own projections (``add_q_proj``...) and no RoPE.
-
-The text mask ``[B, L_text]`` applies to the last ``L_text`` tokens of the joint sequence. diffusers' processor
-expands it to a dense ``[B, 1, S, S]`` mask (valid query AND valid key); here each sample becomes one packed
-sequence of its valid tokens (all video tokens + its valid text tokens), so the backends see no mask and batches
-whose samples have different text lengths run as one ragged call. Padded text positions attend to nothing:
-PyTorch's SDPA returns 0 for such fully masked rows, and this processor writes 0 there too, so every output
-position matches the default processor (the padded positions never reach a valid token: their keys are masked).
+The text mask ``[B, L_text]`` marks each sample's valid text tokens. diffusers' processor expands it to a dense
+``[B, 1, S, S]`` mask (6 GB of booleans per block at 720p); this processor instead lets each sample attend among
+its valid prefix (all video tokens + its valid text tokens), which the attention op packs into one ragged call.
+Padded positions get 0, as PyTorch's SDPA gives fully masked rows; they never reach a valid token. The valid
+lengths are read on the host once per transformer call, by a pre-hook on the first block (the only host read;
+in the unbound ``set_attn_processor`` form, once per attention call). The projections are diffusers' modules and
+``apply_rotary_emb``, in diffusers' order; only the mask handling differs, which is why this processor has its
+own ``__call__``.
 
 The text refiner (``context_embedder.token_refiner``) uses the same ``Attention`` class with diffusers'
-``AttnProcessor2_0`` (2 layers of text self-attention, ~1,000 tokens, once per call: negligible time).
-``enable_trtllm_attention`` leaves its processors as they are (:meth:`serves` takes joint attention only);
-``transformer.set_attn_processor(HunyuanVideo15TrtllmAttnProcessor(...))`` replaces every processor, and this
-processor then hands refiner calls to diffusers' ``AttnProcessor2_0`` unchanged.
-
-Timestep: the pipeline passes ``timestep`` cast to the latent dtype (in bf16, values above 512 are rounded to a
-multiple of 4: the gate sees t within 0.002 of the scheduler's).
+``AttnProcessor2_0``; ``enable_trtllm_attention`` leaves it as it is, and the unbound form hands refiner calls to
+``AttnProcessor2_0`` unchanged.
 """
 
 from __future__ import annotations
 
 import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
-from ..backends.base import VarlenQKV
-from ..session import read_timestep_kwarg
+from ..plan import RoleTraits
 from .base import TrtllmAttnProcessor
+
+
+class TextLengths:
+    """Valid text tokens per sample of the transformer call in progress (an int CPU tensor), shared by the
+    joint-attention processors of one transformer."""
+
+    def __init__(self):
+        self.counts: torch.Tensor | None = None
+
+    def read(self, text_mask: torch.Tensor | None) -> None:
+        self.counts = None if text_mask is None else text_mask.sum(dim=1).cpu()
 
 
 def _heads(projection: torch.nn.Module, states: torch.Tensor, heads: int) -> torch.Tensor:
     return projection(states).unflatten(2, (heads, -1))
 
 
-class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor):
-    """Drop-in for diffusers' ``HunyuanVideo15AttnProcessor2_0``: same projections, QK norms and RoPE; the masked
-    joint attention runs as packed sequences through the plan."""
+class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnProcessor2_0):
+    """diffusers' ``HunyuanVideo15AttnProcessor2_0`` projections; the masked joint attention as packed
+    sequences on this package's backend."""
 
-    ROLES = {"joint_attn": "joint"}
+    ROLES = {"joint_attn": RoleTraits("joint")}
     ATTENTION_CLASSES = ("Attention",)
     TRANSFORMER_CLASSES = ("HunyuanVideo15Transformer3DModel",)
-    read_timestep = staticmethod(read_timestep_kwarg("timestep"))
 
     _refiner_processor = AttnProcessor2_0()
+
+    def __init__(self, config=None, *, calls=None, text_lengths: TextLengths | None = None):
+        super().__init__(config, calls=calls)
+        self.text_lengths = text_lengths
 
     @classmethod
     def serves(cls, module: torch.nn.Module) -> bool:
         # Joint blocks project text with added K/V projections; the text refiner's Attention has none.
         return super().serves(module) and getattr(module, "added_kv_proj_dim", None) is not None
 
+    @classmethod
+    def shared_state(cls) -> dict:
+        return {"text_lengths": TextLengths()}
+
+    def install_hooks(self, transformer: torch.nn.Module) -> list:
+        lengths = self.text_lengths
+        hook = transformer.transformer_blocks[0].register_forward_pre_hook(
+            lambda block, args, kwargs: lengths.read(kwargs.get("attention_mask", args[3] if len(args) > 3
+                                                                else None)), with_kwargs=True)
+        return [hook]
+
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
                  image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.check_module(attn)
-        if not self.serves(attn):
+        if type(attn).__name__ in self.ATTENTION_CLASSES and not self.serves(attn):
             return self._refiner_processor(attn, hidden_states, encoder_hidden_states, attention_mask)
+        self.check_module(attn)
         query = attn.norm_q(_heads(attn.to_q, hidden_states, attn.heads))
         key = attn.norm_k(_heads(attn.to_k, hidden_states, attn.heads))
         value = _heads(attn.to_v, hidden_states, attn.heads)
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
         if encoder_hidden_states is not None:
             text_query = _heads(attn.add_q_proj, encoder_hidden_states, attn.heads)
             text_key = _heads(attn.add_k_proj, encoder_hidden_states, attn.heads)
@@ -80,9 +100,12 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor):
             key = torch.cat([key, text_key], dim=1)
             value = torch.cat([value, text_value], dim=1)
 
-        out = self.attend_masked(attn, query, key, value, attention_mask).flatten(2, 3).to(query.dtype)
+        self.announce("joint_attn", valid_lengths=self._valid_lengths(attention_mask, query.shape[1]))
+        out = dispatch_attention_fn(query, key, value, backend=self._attention_backend,
+                                    parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
-            return out, None  # as diffusers' processor: no output projection without text
+            return out, None
         text_len = encoder_hidden_states.shape[1]
         video_out, text_out = out[:, :-text_len], out[:, -text_len:]
         if getattr(attn, "to_out", None) is not None:
@@ -91,19 +114,8 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor):
             text_out = attn.to_add_out(text_out)
         return video_out, text_out
 
-    def attend_masked(self, attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      text_mask: torch.Tensor | None) -> torch.Tensor:
-        """Joint attention of ``[B, S, H, D]`` tensors among each sample's valid tokens; ``text_mask [B, M]``
-        marks the valid ones among the last M tokens (the others are valid). Returns ``[B, S, H, D]`` with 0 at
-        invalid positions."""
-        batch, seq_len = query.shape[:2]
-        if text_mask is None or bool(text_mask.all()):
-            return self.attend(attn, query, key, value, "joint_attn")
-        valid = torch.nn.functional.pad(text_mask.bool(), (seq_len - text_mask.shape[1], 0), value=True)
-        lengths = tuple(valid.sum(dim=1).tolist())
-        index = valid.flatten().nonzero().squeeze(1)
-        # Gathering by index packs each sample's valid tokens in order, whatever the mask's layout.
-        packed = [x.flatten(0, 1).index_select(0, index) for x in (query, key, value)]
-        out = self.attend_varlen(attn, VarlenQKV(*packed, lengths, lengths), "joint_attn")
-        full = out.new_zeros(batch * seq_len, *out.shape[1:]).index_copy_(0, index, out)
-        return full.view(batch, seq_len, *out.shape[1:])
+    def _valid_lengths(self, text_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
+        if text_mask is None:
+            return None
+        counts = self.text_lengths.counts if self.text_lengths is not None else text_mask.sum(dim=1).cpu()
+        return counts + (seq_len - text_mask.shape[1])

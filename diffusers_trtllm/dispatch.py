@@ -1,0 +1,152 @@
+"""This package's attention as a backend of diffusers' attention dispatcher, named ``"trtllm"``.
+
+Two ways in:
+
+- ``model.set_attention_backend("trtllm")`` (or ``with attention_backend("trtllm"):``) runs any compatible
+  diffusers attention (no mask, no dropout; the backend's own limits: head_dim, dtype, GPU) with the default spec
+  of the config set by :func:`set_dispatch_config`. Incompatible calls raise with the reason.
+- This package's processors (``WanTrtllmAttnProcessor``...) reuse diffusers' processor code and route its
+  ``dispatch_attention_fn`` calls here, announcing beforehand which call site (layer and role) each call is, so
+  per-layer specs, the timestep gate and statistics apply.
+
+Context parallelism: under ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))`` diffusers hands this
+backend its parallel config and the Ulysses all-to-all runs around this package's attention (each rank then sees
+the whole sequence for its heads, so Skip-Softmax and SAGE decide exactly as on one GPU). Ring attention needs the
+log-sum-exp of partial results, which this backend does not return: it raises.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers.models import attention_dispatch as diffusers_dispatch
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+from .config import TORCH_SDPA, AttentionConfig
+from .errors import AttentionConfigError
+from .ops import packed_problem
+from .plan import AttentionCall, CallSite
+
+BACKEND_NAME = "trtllm"
+
+#: Calls announced by a processor for the ``dispatch_attention_fn`` calls it is about to make, in order.
+PENDING: list[tuple[AttentionCall, torch.Tensor | None]] = []
+
+
+def backend_member() -> AttentionBackendName:
+    """``AttentionBackendName`` member ``"trtllm"``, added to diffusers' enum on first use."""
+    existing = AttentionBackendName._value2member_map_.get(BACKEND_NAME)
+    if existing is not None:
+        return existing
+    member = str.__new__(AttentionBackendName, BACKEND_NAME)
+    member._name_, member._value_ = "TRTLLM", BACKEND_NAME
+    AttentionBackendName._member_map_["TRTLLM"] = member
+    AttentionBackendName._value2member_map_[BACKEND_NAME] = member
+    AttentionBackendName._member_names_.append("TRTLLM")
+    return member
+
+
+def announce(*calls: tuple[AttentionCall, torch.Tensor | None]) -> None:
+    """Tell the backend which call sites the next ``dispatch_attention_fn`` calls are, each with the valid
+    lengths of its samples (HunyuanVideo's padded text) or None."""
+    PENDING.clear()
+    PENDING.extend(calls)
+
+
+def set_dispatch_config(config: AttentionConfig | dict | str | None) -> None:
+    """The spec ``set_attention_backend("trtllm")`` runs with when no processor of this package announced the
+    call: the config's ``default`` (per-role keys and the timestep gate need this package's processors)."""
+    config = AttentionConfig.coerce(config)
+    if config.per_role:
+        raise AttentionConfigError(
+            f"per_role keys {sorted(config.per_role)} need this package's processors (enable_trtllm_attention); "
+            "set_dispatch_config takes a default spec only")
+    skip = config.default.skip_softmax
+    if skip is not None and (skip.disabled_until_timestep > 0 or skip.target_sparsity is not None):
+        raise AttentionConfigError(
+            "skip_softmax.disabled_until_timestep and target_sparsity need the pipeline's timestep and "
+            "calibration (enable_trtllm_attention); set_dispatch_config takes skip_softmax.threshold only")
+    spec = config.default
+    call = AttentionCall(CallSite("*", "*", "attention", "*"), "default", spec.backend, False, spec.quant, skip,
+                         planned=False)
+    call.skip_value.fill_(call.step_value(None))
+    _DEFAULT_CALL[:] = [call]
+
+
+_DEFAULT_CALL: list[AttentionCall] = []  # the one call of set_dispatch_config, replaced as a whole
+set_dispatch_config(None)
+
+
+def run_call(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+             causal: bool, scale: float | None, valid_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """One attention call of ``[B, S, H, D]`` tensors as ``call`` plans it; ``valid_lengths`` (int CPU tensor
+    ``[B]``) restricts each sample to its first tokens."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    skip_value = call.skip_value
+    if call.probing:
+        call.probe(call.site, packed_problem(query, key, value, valid_lengths)[0], scale=scale, causal=causal,
+                   tile=call.tile)
+        skip_value = torch.zeros_like(skip_value)
+    if call.backend == TORCH_SDPA and call.planned and valid_lengths is None:
+        # Differentiable and traced by inductor like diffusers' native backend.
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                             is_causal=causal, scale=scale,
+                                             enable_gqa=query.shape[2] != key.shape[2])
+        if call.counting:
+            call.counts[2] += 1  # a call that counts no tiles (see ops.attention)
+        return out.transpose(1, 2)
+    return torch.ops.diffusers_trtllm.attention(
+        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, call.counts, call.counting,
+        call.backend, scale, causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
+
+
+def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                     scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                     _parallel_config=None) -> torch.Tensor:
+    """diffusers backend function: ``[B, S, H, D]`` in and out."""
+    call, valid_lengths = PENDING.pop(0) if PENDING else (_DEFAULT_CALL[0], None)
+    if attn_mask is not None:
+        raise ValueError(f"the {BACKEND_NAME!r} attention backend takes no attn_mask (got one shaped "
+                         f"{tuple(attn_mask.shape)}); use a backend with masks (e.g. 'native') for this model")
+    if dropout_p:
+        raise ValueError(f"the {BACKEND_NAME!r} attention backend runs inference only (dropout_p={dropout_p})")
+    if return_lse:
+        raise ValueError(f"the {BACKEND_NAME!r} attention backend does not return the log-sum-exp")
+    if _parallel_config is None:
+        return run_call(call, query, key, value, causal=is_causal, scale=scale, valid_lengths=valid_lengths)
+    return _context_parallel(call, valid_lengths, query, key, value, is_causal, scale, _parallel_config)
+
+
+def _context_parallel(call, valid_lengths, query, key, value, is_causal, scale, parallel_config) -> torch.Tensor:
+    cp = parallel_config.context_parallel_config
+    if cp.ring_degree > 1:
+        raise NotImplementedError(
+            f"the {BACKEND_NAME!r} attention backend supports Ulysses context parallelism only: ring attention "
+            f"(ring_degree={cp.ring_degree}) merges partial results by their log-sum-exp, which it does not return")
+    if valid_lengths is not None:
+        raise NotImplementedError(
+            "HunyuanVideo 1.5 with padded text under context parallelism: the packed text of each sample would be "
+            "split across ranks; run it without enable_parallelism or with an unpadded prompt batch")
+
+    def forward_op(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                   return_lse=False, _save_ctx=True, _parallel_config=None):
+        return run_call(call, q, k, v, causal=is_causal, scale=scale)
+
+    def backward_op(*args, **kwargs):
+        raise NotImplementedError(f"the {BACKEND_NAME!r} attention backend runs inference only")
+
+    return diffusers_dispatch._templated_context_parallel_attention(
+        query, key, value, None, 0.0, is_causal, scale, False, False, forward_op=forward_op,
+        backward_op=backward_op, _parallel_config=parallel_config)
+
+
+def register_dispatch_backend() -> AttentionBackendName:
+    """Register ``"trtllm"`` with diffusers' dispatcher (idempotent) and return its enum member."""
+    member = backend_member()
+    if member not in _AttentionBackendRegistry._backends:
+        _AttentionBackendRegistry.register(member, constraints=[], supports_context_parallel=True)(trtllm_attention)
+    return member
+
+
+BACKEND = register_dispatch_backend()

@@ -1,0 +1,115 @@
+"""Attention as one opaque ``torch.library`` op, so ``torch.compile`` traces a transformer without looking inside.
+
+``torch.ops.diffusers_trtllm.attention`` runs any registered backend (FlashInfer's TRT-LLM kernels, the Triton
+SAGE kernel, the PyTorch reference). Dynamo sees one op with a fake implementation (output shaped like q); it
+never traces the Triton kernel, FlashInfer's Python or the reference's tile loop.
+
+What changes during a run reaches the op as tensors, so it never forces a recompile:
+
+- ``skip_value``: a 0-dim float64 tensor on the CPU, updated in place once per denoising step by the planner:
+  0 runs dense; otherwise FlashInfer's threshold scale factor, or λ when ``per_kv_len`` (the factor is then
+  λ · the longest key length of the call). Reading it in the op is a host read, never a device sync.
+- ``counts``: int64 ``[4]`` on q's device, accumulated in place when ``count``: skipped KV tiles, tiles,
+  calls, calls whose backend counted tiles. Statistics read it once per step, outside the traced region. (Always
+  a tensor: an optional mutated argument trips inductor.)
+- ``valid_lengths``: an int CPU tensor of each sample's valid prefix (HunyuanVideo's padded text), read on
+  the host once per transformer call by the processors' pre-hook, or None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import warnings
+
+import torch
+
+from .backends import run_backend, select_backend
+from .backends.base import KernelPlan, VarlenQKV
+from .config import AttnQuantSpec
+
+
+def encode_quant(quant: AttnQuantSpec | None) -> str:
+    """The op's ``quant`` argument: a JSON object, or "" for no SAGE (a string is a constant in a traced graph)."""
+    return "" if quant is None else json.dumps(dataclasses.asdict(quant), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def decode_quant(text: str) -> AttnQuantSpec | None:
+    return AttnQuantSpec.from_dict(json.loads(text)) if text else None
+
+
+@torch.library.custom_op("diffusers_trtllm::attention", mutates_args=("counts",))
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
+              skip_value: torch.Tensor, counts: torch.Tensor, count: bool, backend: str, scale: float,
+              causal: bool, quant: str, per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool) -> torch.Tensor:
+    """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``; returns a tensor shaped and typed like q.
+
+    ``valid_lengths`` (int CPU tensor ``[B]``, self-attention only): sample ``b`` attends among its first
+    ``valid_lengths[b]`` tokens only (HunyuanVideo's joint sequence with padded text); the other rows are 0.
+    ``planned``: the backend was chosen for this call site at install; otherwise it is checked (explicit) or
+    chosen (``auto``) here, once per kind of call.
+    """
+    qkv, rows = packed_problem(q, k, v, valid_lengths)
+    if not planned:
+        backend = unplanned_backend(backend, qkv, causal, skip_value, quant)
+    value = float(skip_value)
+    factor = value * qkv.max_seqlen_kv if per_kv_len else value
+    plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor, quant=decode_quant(quant),
+                      tile=(tile_q, tile_kv), count_skips=count)
+    result = run_backend(backend, qkv, plan)
+    if count:
+        counts[2] += 1
+        if result.skipped_tiles is not None:
+            counts[0] += result.skipped_tiles
+            counts[1] += result.total_tiles
+            counts[3] += 1
+    if rows is None:
+        return result.out.view(q.shape)
+    return q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape)
+
+
+@attention.register_fake
+def _(q, k, v, valid_lengths, skip_value, counts, count, backend, scale, causal, quant, per_kv_len, tile_q,
+      tile_kv, planned):
+    return torch.empty_like(q)
+
+
+def packed_problem(q, k, v, valid_lengths) -> tuple[VarlenQKV, torch.Tensor | None]:
+    """The batch as one packed problem, and the rows of ``[B * S]`` it holds (None when all rows are valid)."""
+    batch, seq_len = q.shape[:2]
+    lengths = tuple(valid_lengths.tolist()) if valid_lengths is not None else ()
+    if all(n == seq_len for n in lengths):
+        return VarlenQKV.from_bshd(q, k, v), None
+    rows = packed_rows(lengths, seq_len, q.device)
+    packed = (x.flatten(0, 1).index_select(0, rows) for x in (q, k, v))
+    return VarlenQKV(*packed, lengths, lengths), rows
+
+
+@functools.lru_cache(maxsize=64)
+def packed_rows(lengths: tuple[int, ...], seq_len: int, device: torch.device) -> torch.Tensor:
+    """Row indices of each sample's first ``lengths[b]`` tokens in a flattened ``[B * seq_len]`` batch, cached
+    per shape (built on the host and copied once)."""
+    rows = [b * seq_len + i for b, n in enumerate(lengths) for i in range(n)]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+_UNPLANNED_CHOICES: dict[tuple, str] = {}
+
+
+def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: torch.Tensor, quant: str) -> str:
+    """The backend of a call not planned at install (``set_attention_backend("trtllm")``, the processors' unbound
+    form), chosen once per kind of call: an explicit one that cannot run raises with its reason; ``auto`` that
+    drops a feature warns once."""
+    key = (requested, qkv.q.device, qkv.q.dtype, qkv.head_dim, qkv.q.shape[1], qkv.k.shape[1], causal,
+           bool(skip_value), quant)
+    if key not in _UNPLANNED_CHOICES:
+        plan = KernelPlan(backend=requested, scale=1.0, causal=causal, skip_factor=float(bool(skip_value)),
+                          quant=decode_quant(quant))
+        choice = select_backend(requested, plan, qkv)
+        if choice.dropped:
+            warnings.warn(f"diffusers_trtllm: auto runs attention dense on {qkv.q.device}: {choice.dropped}",
+                          stacklevel=2)
+        _UNPLANNED_CHOICES[key] = choice.name
+    return _UNPLANNED_CHOICES[key]
