@@ -4,7 +4,7 @@ Default: the tiny Wan 2.2 A14B-shaped pipeline on the CPU (experts rebuilt with 
 sparsity range exists; see tests/test_calibration_pipeline.py), no downloads::
 
     python examples/calibrate.py                    # writes calibrated_tiny/
-    python examples/generate.py --model calibrated_tiny --diffusion-attention-backend auto \\
+    python examples/generate.py --model calibrated_tiny --diffusion-attention-backend TORCH_REFERENCE \\
         --trtllm-gen-target-sparsity 0.5           # uses the curve, at the calibrated shape
 
 On a GPU with a real model, at the deployment resolution, frames and steps (the curve depends on all three)::
@@ -145,9 +145,10 @@ def main(argv=None) -> CalibrationResult:
     print(summary(result))
     # a target inside every component's observed range: the curve is an extrapolation outside it
     target = min(fit.calibration.sparsity_range[1] for fit in result.fits.values()) * 0.8 if result.fits else 0.5
+    # the tiny model's head_dim (32) and a CPU have no TRT-LLM kernel, and auto never picks the reference
+    backend = " --diffusion-attention-backend TORCH_REFERENCE" if args.model is None or device.type != "cuda" else ""
     print(f"wrote {output_dir} (config.json + {len(result.fits)} sidecar(s)) and calibration.png; use it with "
-          f"python examples/generate.py --model {output_dir} --diffusion-attention-backend auto "
-          f"--trtllm-gen-target-sparsity {target:.2f}")
+          f"python examples/generate.py --model {output_dir}{backend} --trtllm-gen-target-sparsity {target:.2f}")
     return result
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
+from diffusers_trtllm.backends.trtllm import device_unavailable_reason
+from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN
 from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_model,
                         open_gate)
 from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
@@ -53,7 +55,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser.add_argument("--frames", type=positive_int, default=9)
     parser.add_argument("--steps", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="auto", help="backend for the non-reference configs")
+    parser.add_argument("--backend", default=None,
+                        help="backend for the non-reference configs (default: TRTLLM_ATTN on a GPU with its kernels, "
+                             "else TORCH_REFERENCE; auto never picks TORCH_REFERENCE, so on a CPU it runs Skip-Softmax "
+                             "and SAGE configs dense)")
     parser.add_argument("--threshold", type=float, default=0.5, help="Skip-Softmax λ")
     parser.add_argument("--gate", type=float, default=0.9, help="disabled_until_timestep D")
     parser.add_argument("--device", default=default_device())
@@ -64,8 +69,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
 def main(argv=None) -> list[dict]:
     args, parser = parse_args(argv)
     device = check_device(parser, args.device)
+    backend = args.backend or (TRTLLM_ATTN if device_unavailable_reason(device) is None else TORCH_REFERENCE)
     with user_errors(parser):  # a bad backend, λ, D or model name stops here, before any video
-        configs = demo_configs(args.backend, args.threshold, args.gate)
+        configs = demo_configs(backend, args.threshold, args.gate)
         if args.model is not None and not Path(args.model).is_dir():
             find_model(args.model)
     check_backends(parser, list(configs.values()), device)
@@ -114,7 +120,7 @@ def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, 
     """The header lines: what each column means and what the numbers can and cannot say here."""
     lines = [
         "Columns:",
-        "- ran on: the backends that ran the attention calls (auto picks per call and logs why once)",
+        "- ran on: the backends that ran the attention calls",
         "- time: the whole generation (text encoder, denoising, VAE decode), after the warm-up",
         "- rel. diff to dense: ||video - dense video|| / ||dense video|| over all pixels (0: identical video)",
         "- sparsity: skipped / all 128x128 KV tiles where Skip-Softmax ran and the backend counts them "

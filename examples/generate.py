@@ -9,7 +9,7 @@ A pipeline folder written by ``examples/calibrate.py`` (its curves are read from
 ``config.json``; the shape defaults to the one it was calibrated at)::
 
     python examples/calibrate.py --output-dir calibrated_tiny
-    python examples/generate.py --model calibrated_tiny --diffusion-attention-backend auto \\
+    python examples/generate.py --model calibrated_tiny --diffusion-attention-backend TORCH_REFERENCE \\
         --trtllm-gen-target-sparsity 0.5
 
 A real model on a GPU::
