@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
-from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_pipeline,
+from diffusers_trtllm.backends.trtllm import device_unavailable_reason
+from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN
+from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_model,
                         open_gate)
 from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
                             require_packages, user_errors)
@@ -54,8 +56,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser.add_argument("--steps", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default=None,
-                        help="backend for the non-reference configs (default: auto on a GPU; TORCH_REFERENCE on a "
-                             "CPU, where auto would run every configuration dense on TORCH_SDPA)")
+                        help="backend for the non-reference configs (default: TRTLLM_ATTN on a GPU with its kernels, "
+                             "else TORCH_REFERENCE; auto never picks TORCH_REFERENCE, so on a CPU it runs Skip-Softmax "
+                             "and SAGE configs dense)")
     parser.add_argument("--threshold", type=float, default=0.5, help="Skip-Softmax λ")
     parser.add_argument("--gate", type=float, default=0.9, help="disabled_until_timestep D")
     parser.add_argument("--device", default=default_device())
@@ -66,9 +69,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
 def main(argv=None) -> list[dict]:
     args, parser = parse_args(argv)
     device = check_device(parser, args.device)
-    args.backend = args.backend or ("auto" if device.type == "cuda" else "TORCH_REFERENCE")
-    with user_errors(parser):  # a bad backend, λ or D stops here, before any video
-        configs = demo_configs(args.backend, args.threshold, args.gate)
+    backend = args.backend or (TRTLLM_ATTN if device_unavailable_reason(device) is None else TORCH_REFERENCE)
+    with user_errors(parser):  # a bad backend, λ, D or model name stops here, before any video
+        configs = demo_configs(backend, args.threshold, args.gate)
+        if args.model is not None and not Path(args.model).is_dir():
+            find_model(args.model)
     check_backends(parser, list(configs.values()), device)
     if args.output_dir is not None:
         require_packages(parser, "--output-dir (MP4 export)", "imageio", "imageio_ffmpeg")
@@ -76,8 +81,7 @@ def main(argv=None) -> list[dict]:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with user_errors(parser):
-        entry = find_model(args.model or "wan")
-        pipe = load_pipeline(entry, tiny=args.model is None, device=args.device, dtype=dtype, source=args.model)
+        entry, pipe = load_model(args.model, tiny=args.model is None, device=args.device, dtype=dtype)
     pipe.set_progress_bar_config(desc="denoising", leave=False)
     shape = VideoShape(args.height, args.width, args.frames, args.steps)
     model_name = entry.name + (" (tiny, random weights)" if args.model is None else "")
@@ -116,7 +120,7 @@ def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, 
     """The header lines: what each column means and what the numbers can and cannot say here."""
     lines = [
         "Columns:",
-        "- ran on: the backends that ran the attention calls (chosen per layer at install)",
+        "- ran on: the backends that ran the attention calls",
         "- time: the whole generation (text encoder, denoising, VAE decode), after the warm-up",
         "- rel. diff to dense: ||video - dense video|| / ||dense video|| over all pixels (0: identical video)",
         "- sparsity: skipped / all 128x128 KV tiles where Skip-Softmax ran and the backend counts them "

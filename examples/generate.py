@@ -9,7 +9,7 @@ A pipeline folder written by ``examples/calibrate.py`` (its curves are read from
 ``config.json``; the shape defaults to the one it was calibrated at)::
 
     python examples/calibrate.py --output-dir calibrated_tiny
-    python examples/generate.py --model calibrated_tiny --diffusion-attention-backend auto \\
+    python examples/generate.py --model calibrated_tiny --diffusion-attention-backend TORCH_REFERENCE \\
         --trtllm-gen-target-sparsity 0.5
 
 A real model on a GPU::
@@ -35,8 +35,7 @@ from diffusers_trtllm import add_attention_args, config_from_args, enable_trtllm
 from diffusers_trtllm.calibration import calibrations_from_pretrained
 from diffusers_trtllm.calibration.checkpoint import PIPELINE_COMPONENTS, SIDECAR_NAME
 from evaluation import (MODELS, TransformerTimer, VideoShape, describe_attention_plan, describe_config,
-                        entry_for_pipeline, export_frames, find_model, format_number, from_pretrained,
-                        generate_frames, load_pipeline, synchronize)
+                        export_frames, find_model, format_number, generate_frames, load_model, synchronize)
 from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
                             require_packages, user_errors)
 
@@ -59,7 +58,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     add_attention_args(parser)
     args = parser.parse_args(argv)
     args.folder = Path(args.model) if args.model is not None and Path(args.model).is_dir() else None
-    args.tiny = args.tiny or args.model is None
+    args.tiny = (args.tiny or args.model is None) and args.folder is None
     return args, parser
 
 
@@ -97,19 +96,15 @@ def main(argv=None) -> dict:
     device = check_device(parser, args.device)
     with user_errors(parser):  # flags and environment variables: a contradiction stops here, before loading
         config = config_from_args(args)
-        entry = find_model(args.model) if args.model and args.folder is None else None
+        if args.model is not None and args.folder is None:
+            find_model(args.model)  # an unknown name too
     check_backends(parser, [config], device)
     require_packages(parser, "writing the MP4", "imageio", "imageio_ffmpeg")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with user_errors(parser):
-        if args.folder is not None:
-            pipe = from_pretrained("DiffusionPipeline", str(args.folder), dtype).to(device)
-            entry = entry_for_pipeline(pipe)
-        else:
-            entry = entry or next(iter(MODELS.values()))
-            pipe = load_pipeline(entry, tiny=args.tiny, device=args.device, dtype=dtype)
+        entry, pipe = load_model(args.model, tiny=args.tiny, device=args.device, dtype=dtype)
     checkpoint_shape = calibrated_shape(args.folder) if args.folder is not None else None
     default = checkpoint_shape or (entry.tiny_shape if args.tiny else entry.shape)
     shape = VideoShape(args.height or default.height, args.width or default.width, args.frames or default.frames,

@@ -1,14 +1,15 @@
 """``torch.compile`` through this package's processors: no graph breaks, fullgraph per block and whole model, no
 recompiles when the timestep gate switches or a pipeline is called again, compiled output equal to eager.
 
-Compile backends: ``aot_eager`` (fast: Dynamo's tracing, guards and AOTAutograd's functionalization of the
-attention op, where graph breaks, recompiles and op-registration mistakes show) and, marked slow, ``inductor``
-(what users run; it also lowers the op's in-place ``counts`` argument and the SDPA path).
+Compile backends: ``eager`` (fast: Dynamo's tracing and guards, where graph breaks and recompiles show) and,
+marked slow, ``inductor`` (what users run: AOTAutograd functionalizes the op's in-place ``counts`` argument and
+inductor lowers the graph around the op).
 
 Tolerances: the attention op is opaque to the compiler, so compiled and eager run the same attention; inductor
 only fuses and reorders the float32 arithmetic around it (norms, modulation, projections), which moves outputs by
-a few float32 rounding steps (observed ~1e-6 relative). 1e-4 relative leaves room for that and still fails on any
-real difference (a wrong skip value or backend changes outputs by >1e-2 here).
+a few float32 rounding steps (observed ~1e-6 relative; the eager compile backend is exact). 1e-4 relative leaves
+room for that. The tiny shapes fit in one 128 × 128 skip tile, so Skip-Softmax changes no output here: these tests
+are about what the compiler sees (the skip value as a tensor input), not about skipping.
 """
 
 import pytest
@@ -23,7 +24,7 @@ from helpers import max_rel_err, tiny_wan, wan_inputs
 from test_hunyuan_video15 import transformer_inputs as hunyuan_inputs
 
 COMPILE_TOLERANCE = 1e-4
-BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+BACKENDS = ["eager", pytest.param("inductor", marks=pytest.mark.slow)]
 CONFIGS = {
     "sdpa": {"default": {"backend": "TORCH_SDPA"}},
     "reference": {"default": {"backend": "TORCH_REFERENCE"}},
@@ -80,7 +81,7 @@ def test_whole_model_traces_as_one_graph(name, config, cosmos3_call):
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
 
 
-@pytest.mark.parametrize("config", ["sdpa", "reference-sage-int8"])
+@pytest.mark.parametrize("config", ["reference-skip"])
 def test_hunyuan_graph_breaks_are_diffusers_own(config, cosmos3_call):
     """diffusers' HunyuanVideo 1.5 transformer itself breaks the graph (``if torch.all(image_embeds == 0)`` and
     the boolean-mask reordering of text tokens), so it cannot be compiled whole with ``fullgraph=True``; this
@@ -101,12 +102,14 @@ def test_hunyuan_graph_breaks_are_diffusers_own(config, cosmos3_call):
     assert ours == native
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("config", list(CONFIGS))
+# inductor: the SDPA path and one op path (the reference configs differ only in the op's arguments)
+BLOCK_CASES = [(config, "eager") for config in CONFIGS] + [
+    pytest.param(config, "inductor", marks=pytest.mark.slow) for config in ("sdpa", "reference-sage-int8")]
+
+
+@pytest.mark.parametrize("config, backend", BLOCK_CASES)
 @pytest.mark.parametrize("name", ["wan", "hunyuan", "cosmos3"])
 def test_blocks_compile_fullgraph_and_match_eager(name, config, backend, cosmos3_call):
-    if backend == "inductor" and config in ("reference", "reference-skip"):
-        pytest.skip("the op's path is covered by reference-sage-int8 (same op call, other arguments)")
     model, inputs, blocks = model_call(name, cosmos3_call)
     with enable_trtllm_attention(model, CONFIGS[config]):
         eager = run(model, inputs)

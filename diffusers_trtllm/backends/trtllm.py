@@ -57,8 +57,7 @@ from ..quant import P_SCALE, SageSemantics
 from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
 
 __all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "run", "warmup",
-           "sage_specs_with_kernels",
-           "sage_semantics", "sage_block_sizes"]
+           "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes"]
 
 logger = logging.getLogger("diffusers_trtllm")
 

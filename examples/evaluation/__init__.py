@@ -24,7 +24,7 @@ from .configs import (PLAN_GATES, REFERENCE_LABEL, SAGE_ATTN_LABEL, TABLE_BACKEN
                       test_plan_configs)
 from .metrics import LpipsScorer, psnr, ssim
 from .models import (MODELS, TINY_SHAPE, ModelEntry, ModelLoadError, SpeedRun, VideoShape, entry_for_pipeline,
-                     export_frames, find_model, from_pretrained, generate_frames, load_pipeline)
+                     export_frames, find_model, from_pretrained, generate_frames, load_model, load_pipeline)
 from .reports import (PLAN_TABLES, RESULT_ALIGN, RESULT_COLUMNS, RunRecord, format_number, markdown_table,
                       plan_tables, plot_quality_vs_speedup, plot_sparsity)
 from .timing import TransformerTimer, synchronize
@@ -33,7 +33,7 @@ from .what_ran import compress_layer_names, describe_attention_plan, sparsity_gr
 __all__ = [
     # models
     "MODELS", "TINY_SHAPE", "ModelEntry", "ModelLoadError", "SpeedRun", "VideoShape", "entry_for_pipeline",
-    "export_frames", "find_model", "from_pretrained", "generate_frames", "load_pipeline",
+    "export_frames", "find_model", "from_pretrained", "generate_frames", "load_model", "load_pipeline",
     # timing
     "TransformerTimer", "synchronize",
     # configs

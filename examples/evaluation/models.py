@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -249,3 +250,14 @@ def export_frames(frames: torch.Tensor, path: str, fps: int) -> str:
     from diffusers.utils import export_to_video
 
     return export_to_video(list(frames.permute(0, 2, 3, 1).clamp(0, 1).numpy()), path, fps=fps)
+
+
+def load_model(model: str | None, *, tiny: bool, device: str, dtype: torch.dtype) -> tuple[ModelEntry, object]:
+    """``(entry, pipeline)`` for a command line's ``--model``: a local pipeline folder (e.g. written by
+    calibrate.py), a known model id or alias, or None (the first model, Wan 2.2); ``tiny`` builds the model's tiny
+    random pipeline instead of loading one."""
+    if model is not None and Path(model).is_dir():
+        pipe = from_pretrained("DiffusionPipeline", model, dtype).to(device)
+        return entry_for_pipeline(pipe), pipe
+    entry = find_model(model) if model else next(iter(MODELS.values()))
+    return entry, load_pipeline(entry, tiny=tiny, device=device, dtype=dtype)
