@@ -51,7 +51,7 @@ def test_trtllm_attn_is_refused_at_load_on_the_cpu_with_this_packages_reason(pip
         load_adapter(pipeline_dir, SKIP_GATED, dtype=torch.bfloat16)
     message = str(error.value)
     assert "selects TRTLLM_ATTN (default), but diffusers_trtllm cannot run it for WanPipeline on cpu" in message
-    assert "TRTLLM_ATTN needs a CUDA GPU with TRT-LLM kernels" in message
+    assert "TRTLLM_ATTN needs an NVIDIA sm_90 (H100/H200), sm_100 or sm_103 (B200/B300) GPU and none was found" in message
     assert "do not provide a binding" not in message
 
 
