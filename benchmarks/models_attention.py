@@ -179,9 +179,9 @@ def bench_case(case: Case, device: torch.device, warmup: int, repeats: int) -> l
             del outputs
             row.calls_ms = timed_calls(call, device, warmup, repeats)
             row.ms = statistics.median(row.calls_ms)
-            session = getattr(processor, "session", None)
-            row.ran = "diffusers" if session is None else ", ".join(
-                sorted({mode for modes in session.stats.modes().values() for mode in modes}))
+            calls = getattr(processor, "calls", None)
+            row.ran = "diffusers" if calls is None else ", ".join(
+                f"{role}: {call.backend}:{call.mode(bool(call.skip_value))}" for role, call in calls.items())
         except Exception as exc:  # noqa: BLE001 - a configuration that cannot run is a row with its reason
             row.error = f"{type(exc).__name__}: {exc}"
             if device.type == "cuda":

@@ -2,7 +2,7 @@
 
 Models: the Wan 2.2 A14B expert (14.3 B parameters; 720p, 81 frames: 75,600 tokens) and, where this package has
 its processor, HunyuanVideo 1.5 720p t2v (8.3 B; 720p, 81 frames: 75,600 video + 1,985 context tokens). Their
-configurations come from ``diffusers_trtllm.evaluation.MODELS``. Each configuration is warmed up with the
+configurations come from ``examples/evaluation``'s ``MODELS``. Each configuration is warmed up with the
 model's first block only (every kernel and shape of the step, at a fraction of its cost), then timed over whole
 calls with CUDA events. Reported per model: step time, ratio to TORCH_SDPA (what torch picks, cuDNN on an H200)
 and to cuDNN SDPA forced, and attention's share of the step (1 - no-attention time / reference time). Every
@@ -42,10 +42,11 @@ import torch
 
 from diffusers_trtllm import enable_trtllm_attention
 from diffusers_trtllm.config import TORCH_REFERENCE, TORCH_SDPA, TRTLLM_ATTN, AttnQuantSpec
-from diffusers_trtllm.evaluation import (MODELS, ModelEntry, SpeedRun, TransformerTimer, VideoShape,
-                                         attention_config, find_model, format_number, markdown_table, no_attention,
-                                         synchronize)
 from diffusers_trtllm.processors import PROCESSORS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the examples' shared helpers
+from evaluation import (MODELS, ModelEntry, SpeedRun, TransformerTimer, VideoShape, attention_config,  # noqa: E402
+                        find_model, format_number, markdown_table, no_attention, synchronize)
 
 SDPA_LABEL = "TORCH_SDPA"
 CUDNN_LABEL = "TORCH_SDPA cuDNN"

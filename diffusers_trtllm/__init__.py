@@ -4,23 +4,26 @@ Layout: ``config`` (what the user asked) -> ``plan`` (what runs for each call si
 opaque op for ``torch.compile``) -> ``backends`` -> ``kernels`` (plain-tensor kernel functions, importing nothing
 above them). ``dispatch`` is the ``"trtllm"`` backend of diffusers' attention dispatcher; ``processors`` subclass
 diffusers' processors and route their attention there; ``install`` plans and installs them on a pipeline;
-``steps`` follows the scheduler; ``stats`` keeps what ran; ``calibration`` reads and fits Skip-Softmax curves.
+``steps`` follows the scheduler; ``stats`` keeps what ran; ``calibration`` reads, writes and fits Skip-Softmax
+curves; ``skip_calibration`` (:func:`calibrate`) runs a pipeline to make them.
 """
 
 from .calibration.curve import SkipCalibration
+from .calibration.fit import CalibrationResult
 from .cli import add_attention_args, config_from_args
 from .config import AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
-from .errors import AttentionConfigError, BackendUnavailableError
+from .errors import AttentionConfigError, BackendUnavailableError, CalibrationError
 from .install import TrtllmAttentionHandle, enable_trtllm_attention
 from .processors import (Cosmos3TrtllmAttnProcessor, HunyuanVideo15TrtllmAttnProcessor, TrtllmAttnProcessor,
                          WanTrtllmAttnProcessor)
 from .dispatch import BACKEND_NAME, set_dispatch_config
-
-__version__ = "0.1.0"
+from .skip_calibration import calibrate
+from .version import __version__
 
 __all__ = [
-    "AttentionConfig", "AttentionConfigError", "AttentionSpec", "BACKEND_NAME", "AttnQuantSpec",
-    "BackendUnavailableError", "Cosmos3TrtllmAttnProcessor", "HunyuanVideo15TrtllmAttnProcessor", "SkipCalibration",
-    "SkipSoftmaxSpec", "TrtllmAttentionHandle", "TrtllmAttnProcessor", "WanTrtllmAttnProcessor", "add_attention_args",
+    "AttentionConfig", "AttentionConfigError", "AttentionSpec", "AttnQuantSpec", "BACKEND_NAME",
+    "BackendUnavailableError", "CalibrationError", "CalibrationResult", "Cosmos3TrtllmAttnProcessor",
+    "HunyuanVideo15TrtllmAttnProcessor", "SkipCalibration", "SkipSoftmaxSpec", "TrtllmAttentionHandle",
+    "TrtllmAttnProcessor", "WanTrtllmAttnProcessor", "__version__", "add_attention_args", "calibrate",
     "config_from_args", "enable_trtllm_attention", "set_dispatch_config",
 ]

@@ -11,17 +11,22 @@ flag                                   environment variable                    m
 =====================================  ======================================  =================================
 
 A flag and its variable may both be set only to the same value; the ``--trtllm-gen-*`` shortcuts edit the
-default spec and may not contradict ``--diffusion-attention-config`` or the backend.
+default spec and may not contradict ``--diffusion-attention-config``. Their backend: ``TRTLLM_ATTN`` when no
+backend is given (neither ``--diffusion-attention-backend`` nor a non-``auto`` default in the config: the design
+document's usage); otherwise the given one when it has the feature (``TRTLLM_ATTN``, ``TORCH_REFERENCE``,
+``auto``); ``TORCH_SDPA`` (dense only) refuses them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Mapping
 
-from .config import AUTO, TRTLLM_ATTN, AttentionConfig, AttnQuantSpec, SkipSoftmaxSpec, canonical_backend
+from .config import (AUTO, FEATURE_BACKENDS, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec,
+                     SkipSoftmaxSpec, canonical_backend)
 from .errors import AttentionConfigError, invalid
 
 FLAGS = {  # dest -> (flag, environment variable)
@@ -97,10 +102,14 @@ def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[st
     shortcuts = {k: get[k] for k in ("trtllm_gen_sage", "trtllm_gen_target_sparsity",
                                      "trtllm_gen_disabled_until_timestep") if get[k] is not None}
     if shortcuts:
-        if default.backend not in (AUTO, TRTLLM_ATTN):
+        backend_given = backend is not None or _names_default_backend(get["diffusion_attention_config"])
+        if not backend_given:
+            default = dataclasses.replace(default, backend=TRTLLM_ATTN)
+        elif default.backend not in FEATURE_BACKENDS:
             raise AttentionConfigError(
-                f"{', '.join(FLAGS[k][0] for k in shortcuts)} configure TRTLLM_ATTN but the backend is "
-                f"{default.backend}")
+                f"{', '.join(FLAGS[k][0] for k in shortcuts)} {'needs' if len(shortcuts) == 1 else 'need'} a "
+                "backend with Skip-Softmax and SAGE "
+                f"({', '.join(FEATURE_BACKENDS)}); the backend is {default.backend} (dense only)")
         quant, skip = default.quant, default.skip_softmax
         if "trtllm_gen_sage" in shortcuts:
             if quant is not None and quant != SAGE_PRESET:
@@ -116,5 +125,17 @@ def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[st
                 raise AttentionConfigError(
                     f"--trtllm-gen-* skip flags {skip_fields} contradict the config's skip_softmax {current}")
             skip = SkipSoftmaxSpec(**{**current, **skip_fields})
-        default = dataclasses.replace(default, backend=TRTLLM_ATTN, quant=quant, skip_softmax=skip)
+        default = dataclasses.replace(default, quant=quant, skip_softmax=skip)
     return AttentionConfig(default=default, per_role=config.per_role)
+
+
+def _names_default_backend(config) -> bool:
+    """Whether ``--diffusion-attention-config`` (JSON, dict or config) sets the default spec's backend itself
+    (``"auto"`` included: an explicit choice the shortcuts then apply to)."""
+    if config is None:
+        return False
+    if isinstance(config, (AttentionConfig, AttentionSpec)):
+        return AttentionConfig.coerce(config).default.backend != AUTO
+    data = json.loads(config) if isinstance(config, str) else config
+    default = data.get("default") if isinstance(data, Mapping) else None
+    return isinstance(default, Mapping) and "backend" in default

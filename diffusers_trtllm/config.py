@@ -18,8 +18,9 @@ import json
 import math
 import warnings
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Mapping, Sequence
 
 from .errors import AttentionConfigError, invalid
 
@@ -38,7 +39,9 @@ QK_DTYPES = ("int8", "fp8_e4m3")
 SAGE_BLOCK_SIZES = (1, 4, 16)  # Q/K blocks of the Triton kernel and trtllm-gen (K)
 SAGE_Q_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64,)  # 64: Hopper FMHAv2 SAGE
 SAGE_K_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64, 128)
-ROLE_CATEGORIES = ("self", "cross", "joint")
+# One attention call site: (component, layer, role, category), e.g.
+# ("transformer_2", "blocks.3.attn1", "self_attn", "self").
+Site = tuple[str, str, str, str]
 
 
 def _check_number(field_name: str, value, low: float | None = None, high: float | None = None) -> float:
@@ -68,8 +71,13 @@ class SkipSoftmaxSpec:
 
     Exactly one of ``target_sparsity`` (a point on a calibrated curve, factor = a·exp(b·s)) and ``threshold``
     (λ itself: a KV tile is skipped when every row's ``exp(tile_max - running_max) < λ``) is set, or neither
-    (then only the gate is configured and nothing is skipped). Skipping is off while the normalized timestep
-    t = timestep / num_train_timesteps is above ``disabled_until_timestep`` (0 = never off).
+    (then only the gate is configured and nothing is skipped). The kernels take one threshold scale factor per call
+    and divide it by each sequence's key length, so an explicit ``threshold`` λ becomes the factor λ·max_kv_len and
+    on a ragged batch (HunyuanVideo 1.5's per-sample text lengths) sequence i skips with λ·max_kv_len / kv_len_i:
+    the longest gets λ, shorter ones a larger λ. The reference backend does exactly the same.
+
+    Skipping is off while the normalized timestep t = timestep / num_train_timesteps is above
+    ``disabled_until_timestep`` (0 = never off).
     """
 
     target_sparsity: float | None = None
@@ -200,13 +208,18 @@ class AttentionConfig:
 
     ``per_role`` keys, from most to least specific (a matching key's spec replaces the whole spec):
 
-    1. a layer-name glob, matched with fnmatch against ``<component>.<layer>`` and ``<layer>``
-       (``"blocks.0.*"``, ``"transformer_2.blocks.3[0-9].attn1"``);
-    2. ``<component>.<role>`` then ``<component>.<category>`` (``"transformer_2.cross"``);
-    3. the exact role (``"self_attn"``, ``"cross_attn"``; each processor documents its roles);
-    4. the role category: ``self``, ``cross`` or ``joint``;
-    5. the component (``"transformer"``, ``"transformer_2"``);
-    6. ``default``.
+    1. the exact layer name, ``<component>.<layer>`` then ``<layer>`` (``"transformer_2.blocks.3.attn1"``);
+    2. a layer-name glob, matched with fnmatch against ``<component>.<layer>`` and ``<layer>``
+       (``"blocks.0.*"``, ``"transformer_2.blocks.3[0-9].attn1"``). Among globs that match a layer, the one whose
+       layers (over the whole model) are a strict subset of every other's wins; two that match a layer with
+       neither more specific raise at install time, naming both;
+    3. ``<component>.<role>`` then ``<component>.<category>`` (``"transformer_2.cross"``);
+    4. the exact role (``"self_attn"``, ``"cross_attn"``; each processor documents its roles);
+    5. the role category: ``self``, ``cross`` or ``joint``;
+    6. the component (``"transformer"``, ``"transformer_2"``);
+    7. ``default``.
+
+    A key must name a component, role, category or layer the model has (:meth:`check_keys`).
     """
 
     default: AttentionSpec = field(default_factory=AttentionSpec)
@@ -266,36 +279,78 @@ class AttentionConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
-    def resolve(self, component: str, layer: str, role: str, category: str) -> tuple[str, AttentionSpec]:
-        """Return ``(matched key, spec)`` for one attention call site; see the class docstring for the order."""
-        from fnmatch import fnmatchcase
+    def resolve(self, component: str, layer: str, role: str, category: str, *,
+                sites: Sequence[Site] | None = None) -> tuple[str, AttentionSpec]:
+        """Return ``(matched key, spec)`` for one attention call site; see the class docstring for the order.
 
-        qualified = f"{component}.{layer}"
-        for key, spec in self.per_role.items():
-            if _is_glob_key(key) and (fnmatchcase(qualified, key) or fnmatchcase(layer, key)):
-                return key, spec
-        for key in (qualified, layer, f"{component}.{role}", f"{component}.{category}", role, category, component):
+        Layer globs are ranked by the layers they match among ``sites`` (all call sites of the model; see
+        :meth:`resolve_sites`). Without ``sites`` only this site is known, so two globs that both match it are
+        tied and raise: pass the model's sites, or resolve them all at install time with :meth:`resolve_sites`.
+        """
+        site = (component, layer, role, category)
+        known = list(sites) if sites is not None else []
+        if site not in known:
+            known.append(site)
+        return self._resolve_one(site, self._glob_layers(known))
+
+    def resolve_sites(self, sites: Sequence[Site]) -> dict[Site, tuple[str, AttentionSpec]]:
+        """Resolve every call site ``(component, layer, role, category)`` of a model at once (at install time).
+
+        Checks the keys first (:meth:`check_keys`), then gives each site its ``(matched key, spec)``. A layer glob
+        outranks another when the layers it matches are a strict subset of the other's; two globs of equal rank
+        that both match a layer raise :class:`AttentionConfigError` naming both.
+        """
+        sites = list(dict.fromkeys(sites))
+        self.check_keys(sites)
+        glob_layers = self._glob_layers(sites)
+        return {site: self._resolve_one(site, glob_layers) for site in sites}
+
+    def _glob_layers(self, sites: Sequence[Site]) -> dict[str, frozenset[tuple[str, str]]]:
+        """Per glob key, the ``(component, layer)`` pairs among ``sites`` it matches."""
+        return {key: frozenset((c, layer) for c, layer, _, _ in sites if _glob_matches(key, c, layer))
+                for key in self.per_role if _is_glob_key(key)}
+
+    def _resolve_one(self, site: Site, glob_layers: Mapping[str, frozenset]) -> tuple[str, AttentionSpec]:
+        component, layer, role, category = site
+        for key in (f"{component}.{layer}", layer):
+            if key in self.per_role:
+                return key, self.per_role[key]
+        matching = {key: layers for key, layers in glob_layers.items() if (component, layer) in layers}
+        # the most specific globs: those no other matching glob is a strict subset of
+        best = [key for key, layers in matching.items() if not any(other < layers for other in matching.values())]
+        if len(best) > 1:
+            raise AttentionConfigError(
+                f"per_role keys {best[0]!r} and {best[1]!r} both match {component}.{layer} and neither matches a "
+                "strict subset of the other's layers, so neither is more specific; add an exact key for the layer "
+                "or narrow one glob")
+        if best:
+            return best[0], self.per_role[best[0]]
+        for key in (f"{component}.{role}", f"{component}.{category}", role, category, component):
             if key in self.per_role:
                 return key, self.per_role[key]
         return "default", self.default
 
-    def check_keys(self, sites: list[tuple[str, str, str, str]]) -> None:
-        """Raise for a ``per_role`` key that names no call site among ``(component, layer, role, category)``."""
-        from fnmatch import fnmatchcase
-
-        names = set(ROLE_CATEGORIES)
+    def check_keys(self, sites: Sequence[Site]) -> None:
+        """Raise for a ``per_role`` key that names no call site among ``(component, layer, role, category)``:
+        components, roles, categories and layers the model does not have are refused, naming what it has."""
+        components = sorted({c for c, _, _, _ in sites})
+        roles = sorted({r for _, _, r, _ in sites})
+        categories = sorted({cat for _, _, _, cat in sites})
+        names = set(components) | set(roles) | set(categories)
         for component, layer, role, category in sites:
-            names.update({component, role, category, f"{component}.{role}", f"{component}.{category}",
-                          layer, f"{component}.{layer}"})
+            names.update({f"{component}.{role}", f"{component}.{category}", layer, f"{component}.{layer}"})
         for key in self.per_role:
-            if key in names or (_is_glob_key(key) and any(
-                    fnmatchcase(f"{c}.{layer}", key) or fnmatchcase(layer, key) for c, layer, _, _ in sites)):
+            if key in names or (_is_glob_key(key) and any(_glob_matches(key, c, layer) for c, layer, _, _ in sites)):
                 continue
-            roles = sorted({s[2] for s in sites} | set(ROLE_CATEGORIES) | {s[0] for s in sites})
+            example = f"{sites[0][0]}.{sites[0][1]}" if sites else "transformer.blocks.0.attn1"
             raise AttentionConfigError(
-                f"per_role key {key!r} matches no attention layer of this pipeline; valid keys are roles, "
-                f"categories and components {roles}, '<component>.<role>', or a glob over layer names such as "
-                f"{sites[0][0]}.{sites[0][1]!r}")
+                f"per_role key {key!r} matches no attention layer of this pipeline; valid keys: components "
+                f"{components}, roles {roles}, categories {categories}, '<component>.<role>' or "
+                f"'<component>.<category>', a layer name such as {example!r}, or a glob over layer names")
+
+
+def _glob_matches(key: str, component: str, layer: str) -> bool:
+    return fnmatchcase(f"{component}.{layer}", key) or fnmatchcase(layer, key)
 
 
 def _is_glob_key(key: str) -> bool:

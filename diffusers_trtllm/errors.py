@@ -16,3 +16,8 @@ class BackendUnavailableError(RuntimeError):
 def invalid(field: str, value, valid: str) -> AttentionConfigError:
     """Build the error for ``field`` holding ``value`` where ``valid`` describes the accepted values."""
     return AttentionConfigError(f"{field}={value!r} is invalid: expected {valid}")
+
+
+class CalibrationError(RuntimeError):
+    """Calibration produced too little to fit a curve, or a curve is asked about where it was never measured.
+    The message says what was observed and what to change."""

@@ -141,11 +141,11 @@ class CallPlanner:
     def choose_backends(self, device: torch.device, dtype: torch.dtype) -> None:
         """Resolve every site's spec and backend for ``device`` / ``dtype``; raise for an explicit choice that
         cannot run, warn once for what ``auto`` drops. Called at install and when the transformer moves."""
-        self.config.check_keys([(s.component, s.layer, s.role, s.category) for s in self.traits])
+        resolved = self.config.resolve_sites([(s.component, s.layer, s.role, s.category) for s in self.traits])
         dropped: dict[str, list[str]] = {}
         calls = {}
         for site, traits in self.traits.items():
-            key, spec = self.config.resolve(site.component, site.layer, site.role, site.category)
+            key, spec = resolved[(site.component, site.layer, site.role, site.category)]
             call = self._plan_site(site, traits, key, spec, device, dtype)
             previous = self.calls.get(site)
             if previous is not None:  # processors hold the call objects: update in place

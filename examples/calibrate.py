@@ -3,7 +3,9 @@
 Default: the tiny Wan 2.2 A14B-shaped pipeline on the CPU (experts rebuilt with head_dim 32 so that a useful
 sparsity range exists; see tests/test_calibration_pipeline.py), no downloads::
 
-    python examples/calibrate.py --output-dir calibrated_tiny
+    python examples/calibrate.py                    # writes calibrated_tiny/
+    python examples/generate.py --model calibrated_tiny --diffusion-attention-backend TORCH_REFERENCE \\
+        --trtllm-gen-target-sparsity 0.5           # uses the curve, at the calibrated shape
 
 On a GPU with a real model, at the deployment resolution, frames and steps (the curve depends on all three)::
 
@@ -25,7 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffusers_trtllm.calibration import CalibrationResult, calibrate
+from diffusers_trtllm import CalibrationResult, SkipSoftmaxSpec, calibrate
+from evaluation import from_pretrained
+from evaluation.cli import ArgumentParser, check_device, default_device, positive_int, require_packages, user_errors
 
 DEFAULT_PROMPTS = ["A red fox runs through fresh snow at dawn, cinematic",
                    "Waves break on black volcanic rocks under a stormy sky",
@@ -40,9 +44,7 @@ def load_pipeline(model: str | None, device: str, dtype: torch.dtype):
         pipe.transformer = tiny_wan_transformer(0, qk_gain=3.0, attention_head_dim=32)
         pipe.transformer_2 = tiny_wan_transformer(1, qk_gain=3.0, attention_head_dim=32)
         return pipe.to(device)
-    from diffusers import DiffusionPipeline
-
-    return DiffusionPipeline.from_pretrained(model, torch_dtype=dtype).to(device)
+    return from_pretrained("DiffusionPipeline", model, dtype).to(device)
 
 
 def plot(result: CalibrationResult, path: Path) -> None:
@@ -59,8 +61,10 @@ def plot(result: CalibrationResult, path: Path) -> None:
         lam = np.array([p["lambda"] for p in fit.points])
         sparsity = np.array([p["sparsity"] for p in fit.points])
         used = np.array([p["used"] for p in fit.points])
-        ax.scatter(lam[used], sparsity[used], s=12, color=color, label=f"{component} (fitted points)")
-        ax.scatter(lam[~used], sparsity[~used], s=12, facecolors="none", edgecolors=color)
+        ax.scatter(lam[used], sparsity[used], s=12, color=color, label=f"{component}: points in the fit range")
+        if (~used).any():
+            ax.scatter(lam[~used], sparsity[~used], s=12, facecolors="none", edgecolors=color,
+                       label=f"{component}: points outside it (not fitted)")
         kv_len = fit.points[0]["kv_len"]
         grid = np.geomspace(lam.min(), lam.max(), 200)
         curve = np.log(grid * kv_len / cal.a) / cal.b
@@ -69,7 +73,8 @@ def plot(result: CalibrationResult, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_ylim(0, 1)
     ax.set_xlabel("λ = factor / kv_len")
-    ax.set_ylabel("achieved sparsity (skipped 128×128 tiles)")
+    rows, cols = result.settings["calibration"]["tile"]
+    ax.set_ylabel(f"achieved sparsity (skipped {rows}×{cols} tiles)")
     ax.set_title("Skip-Softmax calibration: factor = a·exp(b·s)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -78,52 +83,65 @@ def plot(result: CalibrationResult, path: Path) -> None:
     plt.close(fig)
 
 
-def summary(result: CalibrationResult) -> str:
-    lines = ["| component | a | b | R² (log) | observed sparsity | λ at s=0.3 / 0.5 / 0.7 |", "|---|---:|---:|---:|---|---|"]
-    for component, fit in result.fits.items():
-        cal, kv_len = fit.calibration, fit.points[0]["kv_len"]
-        lams = " / ".join(f"{cal.factor(s) / kv_len:.3g}" for s in (0.3, 0.5, 0.7))
-        lo, hi = cal.sparsity_range
-        lines.append(f"| {component} | {cal.a:.4g} | {cal.b:.4g} | {fit.r_squared:.3f} | {lo:.3f}–{hi:.3f} | {lams} |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> CalibrationResult:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model id or path (default: tiny built-in Wan 2.2 pipeline)")
     parser.add_argument("--prompts", type=Path, default=None, help="text file, one prompt per line")
-    parser.add_argument("--height", type=int, default=256)
-    parser.add_argument("--width", type=int, default=448)
-    parser.add_argument("--frames", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--height", type=positive_int, default=256)
+    parser.add_argument("--width", type=positive_int, default=448)
+    parser.add_argument("--frames", type=positive_int, default=9)
+    parser.add_argument("--steps", type=positive_int, default=4)
     parser.add_argument("--gate", type=float, default=0.0, help="disabled_until_timestep D of the deployment")
     parser.add_argument("--lambda-min", type=float, default=1e-6)
     parser.add_argument("--lambda-max", type=float, default=1.0)
-    parser.add_argument("--lambda-points", type=int, default=31)
+    parser.add_argument("--lambda-points", type=positive_int, default=31)
+    parser.add_argument("--tile", type=positive_int, nargs=2, default=(128, 128), metavar=("ROWS", "COLS"),
+                        help="skip tile counted: 128 128 (FMHAv2 bf16, Triton), 64 256 (Hopper FMHAv2 SAGE)")
     parser.add_argument("--target-sparsity", type=float, default=None, help="target to suggest in the checkpoint")
     parser.add_argument("--fit-range", type=float, nargs=2, default=(0.10, 0.90))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="pipeline folder to write (default: calibrated_tiny, or calibrated_<model name>)")
     args = parser.parse_args(argv)
+    device = check_device(parser, args.device)
+    require_packages(parser, "the calibration plot", "matplotlib")
+    if not 0.0 < args.lambda_min < args.lambda_max <= 1.0:
+        parser.error(f"--lambda-min {args.lambda_min:g} / --lambda-max {args.lambda_max:g} are invalid: expected "
+                     "0 < min < max <= 1")
+    with user_errors(parser):  # the suggested target and the gate are checked as the checkpoint will check them
+        SkipSoftmaxSpec(target_sparsity=args.target_sparsity, disabled_until_timestep=args.gate)
+    if not 0.0 <= args.fit_range[0] < args.fit_range[1] <= 1.0:
+        parser.error(f"--fit-range {args.fit_range[0]:g} {args.fit_range[1]:g} is invalid: expected 0 <= low < high "
+                     "<= 1")
+    if args.prompts is not None and not args.prompts.is_file():
+        parser.error(f"--prompts {args.prompts}: no such file")
+    output_dir = args.output_dir or Path("calibrated_" + (Path(args.model).name if args.model else "tiny"))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()] \
         if args.prompts else DEFAULT_PROMPTS
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    pipe = load_pipeline(args.model, args.device, dtype)
-    pipe.set_progress_bar_config(desc="denoising", leave=False)
-    result = calibrate(pipe, prompts, height=args.height, width=args.width, num_frames=args.frames,
-                       num_inference_steps=args.steps, disabled_until_timestep=args.gate,
-                       lambdas=np.geomspace(args.lambda_min, args.lambda_max, args.lambda_points),
-                       target_sparsity=args.target_sparsity, fit_range=tuple(args.fit_range), seed=args.seed)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with user_errors(parser):
+        pipe = load_pipeline(args.model, args.device, dtype)
+        pipe.set_progress_bar_config(desc="denoising", leave=False)
+        result = calibrate(pipe, prompts, height=args.height, width=args.width, num_frames=args.frames,
+                           num_inference_steps=args.steps, disabled_until_timestep=args.gate,
+                           lambdas=np.geomspace(args.lambda_min, args.lambda_max, args.lambda_points),
+                           target_sparsity=args.target_sparsity, fit_range=tuple(args.fit_range), seed=args.seed,
+                           tile=tuple(args.tile))
+    output_dir.mkdir(parents=True, exist_ok=True)
     if args.model is None:
-        pipe.save_pretrained(args.output_dir)
-    result.save(args.output_dir, pipe)
-    plot(result, args.output_dir / "calibration.png")
-    print(summary(result))
-    print(f"wrote {args.output_dir} (config.json + {len(result.fits)} sidecar(s)) and calibration.png")
+        pipe.save_pretrained(output_dir)
+    result.save(output_dir, pipe)
+    plot(result, output_dir / "calibration.png")
+    print(result.summary())
+    # a target inside every component's observed range: the curve is an extrapolation outside it
+    target = min(fit.calibration.sparsity_range[1] for fit in result.fits.values()) * 0.8 if result.fits else 0.5
+    # the tiny model's head_dim (32) and a CPU have no TRT-LLM kernel, and auto never picks the reference
+    backend = " --diffusion-attention-backend TORCH_REFERENCE" if args.model is None or device.type != "cuda" else ""
+    print(f"wrote {output_dir} (config.json + {len(result.fits)} sidecar(s)) and calibration.png; use it with "
+          f"python examples/generate.py --model {output_dir}{backend} --trtllm-gen-target-sparsity {target:.2f}")
     return result
 
 

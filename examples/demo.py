@@ -20,9 +20,15 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
-from diffusers_trtllm.evaluation import VideoShape, export_frames, find_model, generate_frames, load_pipeline
+from diffusers_trtllm.backends.trtllm import device_unavailable_reason
+from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN
+from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_model,
+                        open_gate)
+from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
+                            require_packages, user_errors)
 
 REFERENCE_LABEL = "dense (TORCH_SDPA)"
+WARMUP_STEPS = 1
 
 
 def demo_configs(backend: str, threshold: float, gate: float) -> dict[str, AttentionConfig]:
@@ -39,48 +45,98 @@ def demo_configs(backend: str, threshold: float, gate: float) -> dict[str, Atten
     return {label: AttentionConfig.from_dict({"default": spec}) for label, spec in specs.items()}
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
                         help="Wan 2.2, HunyuanVideo 1.5 or Cosmos 3 model id, alias or path (default: tiny Wan 2.2)")
     parser.add_argument("--prompt", default="A red fox runs through fresh snow at dawn, cinematic")
-    parser.add_argument("--height", type=int, default=192)
-    parser.add_argument("--width", type=int, default=320)
-    parser.add_argument("--frames", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--height", type=positive_int, default=192)
+    parser.add_argument("--width", type=positive_int, default=320)
+    parser.add_argument("--frames", type=positive_int, default=9)
+    parser.add_argument("--steps", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="auto", help="backend for the non-reference configs")
+    parser.add_argument("--backend", default=None,
+                        help="backend for the non-reference configs (default: TRTLLM_ATTN on a GPU with its kernels, "
+                             "else TORCH_REFERENCE; auto never picks TORCH_REFERENCE, so on a CPU it runs Skip-Softmax "
+                             "and SAGE configs dense)")
     parser.add_argument("--threshold", type=float, default=0.5, help="Skip-Softmax λ")
     parser.add_argument("--gate", type=float, default=0.9, help="disabled_until_timestep D")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=default_device())
     parser.add_argument("--output-dir", type=Path, default=None, help="write one MP4 per configuration here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv), parser
+
+
+def main(argv=None) -> list[dict]:
+    args, parser = parse_args(argv)
+    device = check_device(parser, args.device)
+    backend = args.backend or (TRTLLM_ATTN if device_unavailable_reason(device) is None else TORCH_REFERENCE)
+    with user_errors(parser):  # a bad backend, λ, D or model name stops here, before any video
+        configs = demo_configs(backend, args.threshold, args.gate)
+        if args.model is not None and not Path(args.model).is_dir():
+            find_model(args.model)
+    check_backends(parser, list(configs.values()), device)
+    if args.output_dir is not None:
+        require_packages(parser, "--output-dir (MP4 export)", "imageio", "imageio_ffmpeg")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    entry = find_model(args.model or "wan")
-    pipe = load_pipeline(entry, tiny=args.model is None, device=args.device, dtype=dtype, source=args.model)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with user_errors(parser):
+        entry, pipe = load_model(args.model, tiny=args.model is None, device=args.device, dtype=dtype)
     pipe.set_progress_bar_config(desc="denoising", leave=False)
     shape = VideoShape(args.height, args.width, args.frames, args.steps)
+    model_name = entry.name + (" (tiny, random weights)" if args.model is None else "")
+    print(f"{model_name}: {shape.height}×{shape.width}, {shape.frames} frames, {shape.steps} steps, seed "
+          f"{args.seed}, {device}; {len(configs)} attention configurations, each timed after an untimed "
+          f"{WARMUP_STEPS}-step warm-up with its timestep gate open (every kernel it uses runs once)", flush=True)
     rows, reference = [], None
-    for label, config in demo_configs(args.backend, args.threshold, args.gate).items():
-        with enable_trtllm_attention(pipe, config) as handle:
-            start = time.perf_counter()
-            video = generate_frames(pipe, entry, args.prompt, shape, args.seed)
-            seconds = time.perf_counter() - start
+    for i, (label, config) in enumerate(configs.items(), 1):
+        print(f"[{i}/{len(configs)}] {label}: {describe_config(config)}", flush=True)
+        with user_errors(parser):
+            with enable_trtllm_attention(pipe, open_gate(config), collect_stats=False):
+                generate_frames(pipe, entry, args.prompt, shape, args.seed, steps=WARMUP_STEPS)  # VAE decode too
+            with enable_trtllm_attention(pipe, config) as handle:
+                start = time.perf_counter()
+                video = generate_frames(pipe, entry, args.prompt, shape, args.seed)
+                seconds = time.perf_counter() - start
         summary = handle.stats.summary()
         if reference is None:
             reference = video
         rel = ((video - reference).norm() / reference.norm()).item()
         backends = sorted({mode.split(":")[0] for modes in summary["modes"].values() for mode in modes})
         rows.append(dict(config=label, backends=",".join(backends), seconds=seconds, rel_diff=rel,
-                         sparsity=summary["sparsity"], per_step=summary["per_step"]))
+                         skips=config.default.skip_softmax is not None, sparsity=summary["sparsity"],
+                         per_step=summary["per_step"]))
         if args.output_dir is not None:
             args.output_dir.mkdir(parents=True, exist_ok=True)
             name = "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in label).strip("_")
             export_frames(video, str(args.output_dir / f"{name}.mp4"), fps=entry.fps)
+    print("\n" + explanation(rows, tiny=args.model is None, threshold=args.threshold, gate=args.gate,
+                              on_gpu=device.type == "cuda"))
     print(format_table(rows))
     return rows
+
+
+def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, on_gpu: bool) -> str:
+    """The header lines: what each column means and what the numbers can and cannot say here."""
+    lines = [
+        "Columns:",
+        "- ran on: the backends that ran the attention calls",
+        "- time: the whole generation (text encoder, denoising, VAE decode), after the warm-up",
+        "- rel. diff to dense: ||video - dense video|| / ||dense video|| over all pixels (0: identical video)",
+        "- sparsity: skipped / all 128x128 KV tiles where Skip-Softmax ran and the backend counts them "
+        "(TORCH_REFERENCE does, FlashInfer's kernels do not: n/a); '-': the configuration does not skip",
+        f"- sparsity per step: the same per denoising step; steps with t = timestep/1000 > D = {gate:g} run "
+        "dense (0)",
+    ]
+    if tiny:
+        lines.append(f"- random weights give nearly uniform attention, so λ = {threshold:g} finds few KV tiles "
+                     "whose contribution is negligible (the tiny model is made slightly local so that some are); "
+                     "trained video models attend locally and skip far more at the same λ")
+    if not on_gpu or any("TORCH_REFERENCE" in r["backends"] for r in rows):
+        lines.append("- TORCH_REFERENCE is a PyTorch model of the kernels' arithmetic (exact Skip-Softmax rule, "
+                     "SAGE quantization): its times, and any time on a CPU, say nothing about GPU speed "
+                     "(H200 numbers: benchmarks/RESULTS.md)")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -90,9 +146,12 @@ def format_table(rows: list[dict]) -> str:
     lines = ["| config | ran on | time (s) | rel. diff to dense | sparsity | sparsity per step |",
              "|---|---|---:|---:|---:|---|"]
     for r in rows:
-        steps = " ".join(fmt(v) for _, v in sorted(r["per_step"].items()))
+        if r["skips"]:
+            overall, steps = fmt(r["sparsity"]), " ".join(fmt(v) for _, v in sorted(r["per_step"].items()))
+        else:
+            overall, steps = "-", "-"
         lines.append(f"| {r['config']} | {r['backends']} | {r['seconds']:.2f} | {r['rel_diff']:.2e} | "
-                     f"{fmt(r['sparsity'])} | {steps} |")
+                     f"{overall} | {steps} |")
     return "\n".join(lines)
 
 

@@ -3,9 +3,11 @@ TORCH_SDPA dense (the reference) for quality (LPIPS, or PSNR/SSIM where LPIPS ca
 transformer calls and of the whole run, and achieved sparsity.
 
 Offline (the default, or ``--tiny``): the model's tiny randomly initialised pipeline on the CPU, with the
-TRT-LLM configurations on TORCH_REFERENCE (same Skip-Softmax and SAGE semantics, counted sparsity)::
+TRT-LLM configurations on TORCH_REFERENCE (same Skip-Softmax and SAGE semantics, counted sparsity). Its rows are
+named after the backend and dtype that ran (``TORCH_REFERENCE FP32 dense``, not ``trtllm-gen BF16 dense``) and show
+no speed-up: TORCH_REFERENCE's time is not a kernel's::
 
-    python examples/evaluate.py --output-dir eval_tiny
+    python examples/evaluate.py                     # writes evaluation_out/
 
 A real model on a GPU (TRTLLM_ATTN; a calibrated checkpoint for --target-sparsity, or λ with --threshold)::
 
@@ -29,19 +31,23 @@ import torch
 from tqdm.auto import tqdm
 
 from diffusers_trtllm import enable_trtllm_attention
-from diffusers_trtllm.config import AttnQuantSpec, TORCH_REFERENCE, TRTLLM_ATTN
-from diffusers_trtllm.evaluation import (MODELS, PLAN_GATES, EvalConfig, LpipsScorer, ModelEntry,
-                                         RunRecord, TransformerTimer, VideoShape, describe_attention_plan,
-                                         export_frames, find_model, generate_frames, load_pipeline, plan_tables,
-                                         plot_quality_vs_speedup, plot_sparsity, psnr, sageattention_peer,
-                                         sageattention_unavailable_reason, skip_settings, sparsity_grid, ssim,
-                                         synchronize, test_plan_configs)
+from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AttnQuantSpec, canonical_backend
+from evaluation import (MODELS, PLAN_GATES, EvalConfig, LpipsScorer, ModelEntry, RunRecord, TransformerTimer,
+                        VideoShape, backend_label, describe_attention_plan, export_frames, find_model,
+                        generate_frames, load_pipeline, plan_tables, plot_quality_vs_speedup, plot_sparsity, psnr,
+                        sageattention_peer, sageattention_unavailable_reason, skip_settings, sparsity_grid, ssim,
+                        synchronize, test_plan_configs)
+from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
+                            require_packages, user_errors)
 
 DEFAULT_PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
+DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "FP32"}
+NO_SPEEDUP_NOTE = ("TORCH_REFERENCE is a PyTorch model of the kernels' arithmetic, so its time is not a speed of "
+                   "the kernels")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
                         help=f"model id or alias, one of {[e.model_id for e in MODELS.values()]} "
                              "(default: tiny Wan 2.2)")
@@ -49,10 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="the model's tiny random pipeline (the default "
                         "when --model is not given)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--height", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--frames", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--height", type=positive_int, default=None)
+    parser.add_argument("--width", type=positive_int, default=None)
+    parser.add_argument("--frames", type=positive_int, default=None)
+    parser.add_argument("--steps", type=positive_int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default=None,
                         help="backend of the TRT-LLM configurations (default: TRTLLM_ATTN on CUDA, else "
@@ -64,8 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gates", type=float, nargs="+", default=list(PLAN_GATES),
                         help="disabled_until_timestep values D to sweep")
     parser.add_argument("--sage-dtype", choices=("fp8_e4m3", "int8"), default="fp8_e4m3")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--warmup-steps", type=int, default=1,
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--warmup-steps", type=positive_int, default=1,
                         help="untimed denoising steps before each timed run (kernel builds, first-call costs)")
     parser.add_argument("--output-dir", type=Path, default=Path("evaluation_out"))
     parser.add_argument("--save-videos", action="store_true", help="write one MP4 per configuration")
@@ -73,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.tiny = args.tiny or args.model is None
     if args.threshold is None and args.target_sparsity is None:
         args.threshold = 0.5
-    return args
+    return args, parser
 
 
 def run_shape(entry: ModelEntry, args) -> VideoShape:
@@ -93,13 +99,10 @@ def run_config(pipe, entry: ModelEntry, config: EvalConfig, shape: VideoShape, a
             return record, None, None, ""
         peer = sageattention_peer()
     try:
-        with peer, enable_trtllm_attention(pipe, config.config) as handle:
-            if args.warmup_steps:
-                generate_frames(pipe, entry, args.prompt, shape, args.seed, steps=args.warmup_steps,
-                                output_type="latent")
-                handle.stats.clear()
-                handle.session.reset()
-            with TransformerTimer.for_pipeline(pipe) as timer:
+        with peer:
+            with enable_trtllm_attention(pipe, config.warmup, collect_stats=False):
+                generate_frames(pipe, entry, args.prompt, shape, args.seed, steps=args.warmup_steps)  # + decode
+            with enable_trtllm_attention(pipe, config.config) as handle, TransformerTimer.for_pipeline(pipe) as timer:
                 synchronize(args.device)
                 start = time.perf_counter()
                 frames = generate_frames(pipe, entry, args.prompt, shape, args.seed)
@@ -118,18 +121,25 @@ def run_config(pipe, entry: ModelEntry, config: EvalConfig, shape: VideoShape, a
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    entry = find_model(args.model) if args.model else next(iter(MODELS.values()))
-    shape = run_shape(entry, args)
-    on_cuda = torch.device(args.device).type == "cuda"
-    backend = args.backend or (TRTLLM_ATTN if on_cuda else TORCH_REFERENCE)
-    skip = skip_settings(args.threshold, args.target_sparsity)
-    configs = test_plan_configs(backend, skip, gates=args.gates, sage=AttnQuantSpec(dtype_qk=args.sage_dtype),
-                                sdpa_roles=entry.sdpa_roles)
-    model_name = entry.name + (" (tiny, random weights)" if args.tiny else "")
+    args, parser = parse_args(argv)
+    device = check_device(parser, args.device)
+    on_cuda = device.type == "cuda"
     dtype = torch.bfloat16 if on_cuda else torch.float32
-    pipe = load_pipeline(entry, tiny=args.tiny, device=args.device, dtype=dtype, source=args.source)
+    with user_errors(parser):  # model, backend, λ / target and gates are checked before any video
+        entry = find_model(args.model) if args.model else next(iter(MODELS.values()))
+        backend = canonical_backend(args.backend) if args.backend else (TRTLLM_ATTN if on_cuda else TORCH_REFERENCE)
+        skip = skip_settings(args.threshold, args.target_sparsity)
+        configs = test_plan_configs(backend, skip, gates=args.gates, sage=AttnQuantSpec(dtype_qk=args.sage_dtype),
+                                    sdpa_roles=entry.sdpa_roles, dtype_name=DTYPE_NAMES[dtype])
+    check_backends(parser, [c.config for c in configs], device)
+    require_packages(parser, "the plots", "matplotlib")
+    if args.save_videos:
+        require_packages(parser, "--save-videos (MP4 export)", "imageio", "imageio_ffmpeg")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    shape = run_shape(entry, args)
+    model_name = entry.name + (" (tiny, random weights)" if args.tiny else "")
+    with user_errors(parser):
+        pipe = load_pipeline(entry, tiny=args.tiny, device=args.device, dtype=dtype, source=args.source)
     pipe.set_progress_bar_config(leave=False, desc="denoising")
     lpips = LpipsScorer(args.device)
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -146,8 +156,11 @@ def main(argv=None) -> dict:
         ref = records[0]
         record.lpips, record.psnr, record.ssim = (lpips.score(frames, reference), psnr(frames, reference),
                                                   ssim(frames, reference))
-        record.speedup_transformer = ref.transformer_s / record.transformer_s
-        record.speedup_run = ref.run_s / record.run_s
+        if TORCH_REFERENCE in record.ran_on:
+            record.note = "no speed-up: ran on TORCH_REFERENCE (see the header)"
+        else:
+            record.speedup_transformer = ref.transformer_s / record.transformer_s
+            record.speedup_run = ref.run_s / record.run_s
         plans[config.label] = plan
         if grid and any(v for v in grid.values()):
             grids[config.label] = grid
@@ -160,24 +173,33 @@ def main(argv=None) -> dict:
     header = [f"# Attention evaluation: {model_name}", "",
               f"- shape: {shape.height}×{shape.width}, {shape.frames} frames, {shape.steps} steps; seed {args.seed}; "
               f"{args.device}; prompt: {args.prompt!r}",
-              f"- TRT-LLM configurations on {backend}; Skip-Softmax {skip_text}; SAGE {args.sage_dtype} "
+              f"- TRT-LLM configurations on {backend} in {str(dtype).removeprefix('torch.')} (rows named "
+              f"'{backend_label(backend)} ...'); Skip-Softmax {skip_text}; SAGE {args.sage_dtype} "
               f"(q block 1, k block 16); roles kept on TORCH_SDPA: {list(entry.sdpa_roles) or 'none'}",
-              f"- quality: {quality}; speed-ups are reference time / configuration time; sparsity = skipped / "
-              "all KV tiles where the backend counts them (n/a: not counted, e.g. FlashInfer's kernels)",
-              f"- warm-up: {args.warmup_steps} untimed step(s) per configuration"]
+              f"- quality: {quality}; speed-ups are reference time / configuration time, shown only for rows that "
+              f"ran real kernels ({NO_SPEEDUP_NOTE}); sparsity = skipped / all KV tiles where the backend counts "
+              "them (n/a: not counted, e.g. FlashInfer's kernels)",
+              f"- times exclude an untimed warm-up of {args.warmup_steps} step(s) per configuration (timestep gate "
+              "open, so every kernel it uses runs)"]
+    if not on_cuda:
+        header.append(f"- on {device}: times say nothing about GPU speed (H200 numbers: benchmarks/RESULTS.md)")
     what_ran = [f"### {label}\n\n{plan}" for label, plan in plans.items()]
     tables_md = "\n\n".join(["\n".join(header), plan_tables(model_name, records), "## What ran per step and layer",
                               *what_ran]) + "\n"
     paths = {"tables": args.output_dir / "tables.md", "results": args.output_dir / "results.json",
              "quality_plot": args.output_dir / "quality_vs_speedup.png"}
     paths["tables"].write_text(tables_md)
-    measured = [r for r in records if r.speedup_transformer is not None]
+    measured = [r for r in records if r.run_s is not None]
     if lpips.unavailable is None:
         points, ylabel = [(r.label, r.speedup_transformer, r.lpips) for r in measured], "LPIPS vs reference ↓"
     else:  # the reference's own PSNR is infinite: it has no point on the plot
         points = [(r.label, r.speedup_transformer, r.psnr) for r in measured if r.psnr != float("inf")]
         ylabel = "PSNR vs reference (dB) ↑"
-    plot_quality_vs_speedup(points, ylabel, str(paths["quality_plot"]), model_name)
+    untimed = [label for label, speedup, _ in points if speedup is None]
+    if untimed and len(untimed) < len(points):  # mixed: the plot keeps the timed ones, the table has the rest
+        points = [point for point in points if point[1] is not None]
+    note = f"no speed-up axis: {NO_SPEEDUP_NOTE}" if untimed and all(p[1] is None for p in points) else ""
+    plot_quality_vs_speedup(points, ylabel, str(paths["quality_plot"]), model_name, note)
     if grids:
         paths["sparsity_plot"] = args.output_dir / "sparsity.png"
         plot_sparsity(grids, str(paths["sparsity_plot"]), f"{model_name}: achieved sparsity")

@@ -5,6 +5,13 @@ Offline (no --model, or --tiny): the model's tiny randomly initialised pipeline,
 
     python examples/generate.py --output fox.mp4 --diffusion-attention-backend TORCH_REFERENCE
 
+A pipeline folder written by ``examples/calibrate.py`` (its curves are read from the transformers'
+``config.json``; the shape defaults to the one it was calibrated at)::
+
+    python examples/calibrate.py --output-dir calibrated_tiny
+    python examples/generate.py --model calibrated_tiny --diffusion-attention-backend TORCH_REFERENCE \\
+        --trtllm-gen-target-sparsity 0.5
+
 A real model on a GPU::
 
     python examples/generate.py --model Wan-AI/Wan2.2-T2V-A14B-Diffusers --output fox.mp4 \\
@@ -17,6 +24,7 @@ A real model on a GPU::
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from pathlib import Path
@@ -24,73 +32,112 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import add_attention_args, config_from_args, enable_trtllm_attention
-from diffusers_trtllm.evaluation import (MODELS, TransformerTimer, VideoShape, describe_attention_plan,
-                                         entry_for_pipeline, export_frames, find_model, format_number,
-                                         generate_frames, load_pipeline, synchronize)
+from diffusers_trtllm.calibration import calibrations_from_pretrained
+from diffusers_trtllm.calibration.checkpoint import PIPELINE_COMPONENTS, SIDECAR_NAME
+from evaluation import (MODELS, TransformerTimer, VideoShape, describe_attention_plan, describe_config,
+                        export_frames, find_model, format_number, generate_frames, load_model, synchronize)
+from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
+                            require_packages, user_errors)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
                         help=f"model id or alias: {[e.model_id for e in MODELS.values()]}, or a local pipeline "
                              "folder (default: tiny Wan 2.2)")
     parser.add_argument("--tiny", action="store_true",
                         help="the model's tiny random pipeline (the default when --model is not given)")
     parser.add_argument("--prompt", default="A red fox runs through fresh snow at dawn, cinematic")
-    parser.add_argument("--height", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--frames", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--height", type=positive_int, default=None)
+    parser.add_argument("--width", type=positive_int, default=None)
+    parser.add_argument("--frames", type=positive_int, default=None)
+    parser.add_argument("--steps", type=positive_int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=default_device())
     parser.add_argument("--output", type=Path, default=Path("output.mp4"), help="MP4 to write")
     add_attention_args(parser)
     args = parser.parse_args(argv)
-    args.tiny = args.tiny or args.model is None
-    return args
+    args.folder = Path(args.model) if args.model is not None and Path(args.model).is_dir() else None
+    args.tiny = (args.tiny or args.model is None) and args.folder is None
+    return args, parser
 
 
-def load(args, dtype: torch.dtype):
-    """``(entry, pipeline)`` for ``--model``: a known id or alias, or a local folder of one of their pipelines."""
-    if args.model is not None and Path(args.model).is_dir():
-        import diffusers
+def calibrated_shape(folder: Path) -> VideoShape | None:
+    """The deployment shape a folder written by calibrate.py was calibrated at (from its sidecars), or None."""
+    for component in PIPELINE_COMPONENTS:
+        sidecar = folder / component / SIDECAR_NAME
+        if sidecar.is_file():
+            shape = json.loads(sidecar.read_text()).get("deployment")
+            if shape:
+                return VideoShape(shape["height"], shape["width"], shape["num_frames"], shape["num_inference_steps"])
+    return None
 
-        pipe = diffusers.DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype).to(args.device)
-        return entry_for_pipeline(pipe), pipe
-    entry = find_model(args.model) if args.model else next(iter(MODELS.values()))
-    return entry, load_pipeline(entry, tiny=args.tiny, device=args.device, dtype=dtype)
+
+def describe_calibrations(folder: Path, shape: VideoShape | None) -> str:
+    """What enable_trtllm_attention will read from ``folder``: the curve of each calibrated component."""
+    curves = calibrations_from_pretrained(folder)
+    if not curves:
+        return f"no Skip-Softmax calibration in {folder} (target_sparsity needs one; λ via a config's threshold works)"
+    lines = [f"Skip-Softmax calibration loaded from {folder}"
+             + (f" (calibrated at {shape.height}×{shape.width}, {shape.frames} frames, {shape.steps} steps)"
+                if shape else "") + ":"]
+    for component, curve in curves.items():
+        observed = (f", observed sparsity {curve.sparsity_range[0]:.2f}–{curve.sparsity_range[1]:.2f}"
+                    if curve.sparsity_range else "")
+        suggested = (f", suggests target_sparsity {curve.target_sparsity:g}" if curve.target_sparsity is not None
+                     else "")
+        lines.append(f"  {component}: factor = a·exp(b·s), a = {curve.a:.4g}, b = {curve.b:.4g}{observed}{suggested}")
+    lines.append("  used where the config sets target_sparsity (--trtllm-gen-target-sparsity S)")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    args, parser = parse_args(argv)
+    device = check_device(parser, args.device)
+    with user_errors(parser):  # flags and environment variables: a contradiction stops here, before loading
+        config = config_from_args(args)
+        if args.model is not None and args.folder is None:
+            find_model(args.model)  # an unknown name too
+    check_backends(parser, [config], device)
+    require_packages(parser, "writing the MP4", "imageio", "imageio_ffmpeg")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)  # flags and environment variables; a contradiction stops here, before loading
-    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
-    entry, pipe = load(args, dtype)
-    default = entry.tiny_shape if args.tiny else entry.shape
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with user_errors(parser):
+        entry, pipe = load_model(args.model, tiny=args.tiny, device=args.device, dtype=dtype)
+    checkpoint_shape = calibrated_shape(args.folder) if args.folder is not None else None
+    default = checkpoint_shape or (entry.tiny_shape if args.tiny else entry.shape)
     shape = VideoShape(args.height or default.height, args.width or default.width, args.frames or default.frames,
                        args.steps or default.steps)
-    print(f"{entry.name}{' (tiny, random weights)' if args.tiny else ''}: {shape.height}×{shape.width}, "
-          f"{shape.frames} frames, {shape.steps} steps, seed {args.seed}, {args.device}")
-    print(f"attention config: {config.to_json()}")
+    source = "tiny, random weights" if args.tiny else str(args.folder or entry.model_id)
+    print(f"{entry.name} ({source}): {shape.height}×{shape.width}, {shape.frames} frames, {shape.steps} steps, "
+          f"seed {args.seed}, {device}")
+    if args.folder is not None:
+        print(describe_calibrations(args.folder, checkpoint_shape))
+    print(f"attention config: {describe_config(config)}", flush=True)
     pipe.set_progress_bar_config(desc="denoising")
-    with enable_trtllm_attention(pipe, config) as handle, TransformerTimer.for_pipeline(pipe) as timer:
-        synchronize(args.device)
-        start = time.perf_counter()
-        frames = generate_frames(pipe, entry, args.prompt, shape, args.seed)
-        synchronize(args.device)
-        seconds = time.perf_counter() - start
+    with user_errors(parser):
+        with enable_trtllm_attention(pipe, config) as handle, TransformerTimer.for_pipeline(pipe) as timer:
+            synchronize(device)
+            start = time.perf_counter()
+            frames = generate_frames(pipe, entry, args.prompt, shape, args.seed)
+            synchronize(device)
+            seconds = time.perf_counter() - start
     summary = handle.stats.summary()
-    print("\nattention plan (what ran per step and layer):\n" + describe_attention_plan(handle.stats))
-    per_step = ", ".join(f"{step}: {format_number(value, 3)}" for step, value in summary["per_step"].items())
-    print(f"\nachieved sparsity per step (n/a: the backend does not count): {per_step}")
-    print(f"overall sparsity: {format_number(summary['sparsity'], 3)}; run {seconds:.2f} s, of which transformer "
-          f"{timer.total:.2f} s in {len(timer.seconds())} calls")
+    plan = describe_attention_plan(handle.stats)
+    print("\nattention plan (what ran per step and layer; sparsity where Skip-Softmax ran and was counted):\n"
+          + plan)
+    if any("skip" in mode for modes in summary["modes"].values() for mode in modes):
+        per_step = ", ".join(f"{step}: {format_number(value, 3)}" for step, value in summary["per_step"].items())
+        print(f"\nachieved sparsity per step, all layers (n/a: the backend does not count): {per_step}")
+        print(f"overall sparsity: {format_number(summary['sparsity'], 3)}")
+    print(f"run {seconds:.2f} s, of which transformer {timer.total:.2f} s in {len(timer.seconds())} calls"
+          + ("" if device.type == "cuda" else " (CPU times say nothing about GPU speed)"))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     export_frames(frames, str(args.output), entry.fps)
     print(f"wrote {args.output}")
     return {"frames": frames, "summary": summary, "seconds": seconds, "transformer_seconds": timer.total,
-            "plan": describe_attention_plan(handle.stats), "output": args.output}
+            "plan": plan, "output": args.output, "shape": shape}
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import their shared helpers as a plain module
+# and the examples' helpers (examples/evaluation) as the examples do: from their own folder
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import pytest
 import torch

@@ -222,3 +222,26 @@ def test_one_pass_counts_equal_the_reference_for_every_lambda(causal, tile):
                 for lam in lambdas]
     assert counts == expected
     assert causal or counts[-1] > counts[0]  # causal: only the masked tiles, for any λ
+
+
+def test_summary_gives_lambda_only_inside_the_observed_sparsity():
+    """Points measured up to s = 0.45 on an exact curve with λ(0.7) = 46: the old summary printed 46 for s = 0.7;
+    now the cell says 'not observed' and threshold_at refuses, naming the target and the range."""
+    from diffusers_trtllm import CalibrationError, CalibrationResult
+    from diffusers_trtllm.calibration import ComponentFit, fit_curve
+
+    kv_len, b = 1344, 20.0
+    a = 46 * kv_len / math.exp(0.7 * b)
+    points = [{"prompt": 0, "kv_len": kv_len, "lambda": a * math.exp(b * s) / kv_len, "factor": a * math.exp(b * s),
+               "sparsity": s, "tiles": 100} for s in (0.1, 0.2, 0.3, 0.45)]
+    fit_a, fit_b, r_squared, marked = fit_curve(points)
+    assert (fit_a, fit_b) == (pytest.approx(a), pytest.approx(b)) and r_squared == pytest.approx(1.0)
+    fit = ComponentFit(SkipCalibration(fit_a, fit_b, sparsity_range=(0.1, 0.45)), marked, r_squared,
+                       ("blocks.0.attn1",), "transformer")
+    assert fit.threshold_at(0.3) == pytest.approx(a * math.exp(0.3 * b) / kv_len)
+    with pytest.raises(CalibrationError, match=r"target_sparsity=0.7 lies outside .*\[0.100, 0.450\]"):
+        fit.threshold_at(0.7)
+    table = CalibrationResult({"transformer": fit}).summary(targets=(0.3, 0.7))
+    row = next(line for line in table.splitlines() if line.startswith("| transformer"))
+    assert row.endswith(f"| {fit.threshold_at(0.3):.3g} | not observed |")
+    assert "46" not in table and "outside the sparsity this component reached" in table

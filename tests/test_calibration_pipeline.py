@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffusers_trtllm import enable_trtllm_attention
-from diffusers_trtllm.calibration import CalibrationError, calibrate, calibrations_from_pretrained
+from diffusers_trtllm import CalibrationError, calibrate, enable_trtllm_attention
+from diffusers_trtllm.calibration import calibrations_from_pretrained
 from diffusers_trtllm.calibration.checkpoint import SIDECAR_NAME
 from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline, tiny_wan_transformer
 
@@ -110,3 +110,66 @@ def test_gate_keeps_high_noise_expert_uncalibrated():
     with pytest.raises(CalibrationError, match=r"sparsity in \[0.95, 1.0\].*observed range"):
         calibrate(pipe, PROMPTS[:1], lambdas=LAMBDAS, fit_range=(0.95, 1.0), progress=False,
                   height=128, width=256, num_frames=5, num_inference_steps=2)
+
+
+@pytest.mark.parametrize("family,role,layer", [("hunyuan_video15", "joint_attn", "transformer_blocks.0.attn"),
+                                               ("cosmos3", "gen_full", "layers.0.self_attn")])
+def test_default_sparse_roles_follow_the_model(family, role, layer):
+    """HunyuanVideo 1.5 has no `self` attention and Cosmos 3's `self` is its causal text stream: the old default
+    ("self",) counted nothing there and returned no curve. Each model's video attention is calibrated now."""
+    from diffusers_trtllm import tiny_pipelines
+
+    pipe = getattr(tiny_pipelines, f"tiny_{family}_pipeline")()
+    pipe.set_progress_bar_config(disable=True)
+    result = calibrate(pipe, PROMPTS[0], height=128, width=192, num_frames=5, num_inference_steps=2,
+                       lambdas=LAMBDAS, tile=(16, 16), fit_range=(0.0, 1.0), progress=False)
+    assert set(result.fits) == {"transformer"}
+    assert result.settings["calibration"]["sparse_roles"] == [role]
+    assert layer in result.fits["transformer"].layers
+
+
+def test_a_run_that_counts_nothing_raises_naming_the_roles():
+    from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_pipeline
+
+    pipe = tiny_cosmos3_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    with pytest.raises(CalibrationError, match=r"counted no attention call.*und_causal \(self\), gen_full \(joint\)"):
+        calibrate(pipe, PROMPTS[0], height=128, width=192, num_frames=5, num_inference_steps=1,
+                  sparse_roles=("self",), progress=False)  # the causal text stream never skips
+    wan = calibration_pipeline()
+    with pytest.raises(CalibrationError, match=r"t > disabled_until_timestep=0.01.*self_attn \(self\)"):
+        calibrate(wan, PROMPTS[0], height=128, width=256, num_frames=5, num_inference_steps=1,
+                  disabled_until_timestep=0.01, progress=False)  # the only step has t = 1
+
+
+def test_tile_is_the_tile_counted():
+    """`tile=` was only written to the sidecar; counting always used 128 × 128. 256 tokens per sequence:
+    32 × 32 tiles are 8 × 8 per head, 32 × 64 tiles 8 × 4, so each point counts half as many tiles."""
+    pipe = calibration_pipeline()
+    shape = dict(height=128, width=256, num_frames=5, num_inference_steps=1)
+    fits = {tile: calibrate(pipe, PROMPTS[0], lambdas=LAMBDAS, tile=tile, fit_range=(0.0, 1.0), progress=False,
+                            **shape).fits["transformer"] for tile in ((32, 32), (32, 64))}
+    small, wide = (fits[tile].points for tile in ((32, 32), (32, 64)))
+    assert {p["kv_len"] for p in small} == {256}
+    assert all(p["tiles"] == 2 * q["tiles"] for p, q in zip(small, wide))
+    assert [p["sparsity"] for p in small] != [p["sparsity"] for p in wide]
+    with pytest.raises(ValueError, match=r"tile=\(0, 128\) is invalid"):
+        calibrate(pipe, PROMPTS[0], tile=(0, 128), progress=False, **shape)
+
+
+def test_sparse_roles_the_model_lacks_raise_before_running():
+    from diffusers_trtllm import AttentionConfigError
+    from diffusers_trtllm.tiny_pipelines import tiny_hunyuan_video15_pipeline
+
+    pipe = tiny_hunyuan_video15_pipeline()
+    with pytest.raises(AttentionConfigError, match=r"'self' matches no attention layer.*roles \['joint_attn'\]"):
+        calibrate(pipe, PROMPTS[0], height=128, width=192, num_frames=5, num_inference_steps=1,
+                  sparse_roles=("self",), progress=False)
+
+
+def test_suggesting_a_target_outside_the_observed_sparsity_warns():
+    pipe = calibration_pipeline()
+    with pytest.warns(UserWarning, match=r"target_sparsity=0.95, outside the sparsity \[.*extrapolation"):
+        result = calibrate(pipe, PROMPTS[0], height=128, width=256, num_frames=5, num_inference_steps=1,
+                           lambdas=LAMBDAS, tile=(32, 32), fit_range=(0.0, 1.0), target_sparsity=0.95, progress=False)
+    assert result.fits["transformer"].calibration.target_sparsity == 0.95

@@ -66,6 +66,8 @@ def test_threshold_at_or_above_one_warns():
     (dict(dtype_qk="int8", k_block_size=32), "quant.k_block_size", "32"),
     (dict(dtype_qk="int8", k_block_size=0), "quant.k_block_size", "0"),
     (dict(dtype_qk="int8", q_block_size=True), "quant.q_block_size", "True"),
+    (dict(dtype_qk="int8", q_block_size=16.0), "quant.q_block_size", "16.0"),  # a float is not a block size
+    (dict(dtype_qk="int8", k_block_size=16.0), "quant.k_block_size", "16.0"),
 ])
 def test_invalid_quant_values(kwargs, field, value):
     with pytest.raises(AttentionConfigError) as err:
@@ -125,6 +127,70 @@ def test_check_keys_rejects_a_key_that_names_no_layer():
         AttentionConfig.from_dict({"per_role": {"slef": {}}}).check_keys(sites)
 
 
+WAN_SITES = [(component, f"blocks.{i}.attn{n}", role, category)
+             for component in ("transformer", "transformer_2") for i in range(3)
+             for n, role, category in ((1, "self_attn", "self"), (2, "cross_attn", "cross"))]
+
+
+@pytest.mark.parametrize("key", ["joint", "joint_attn", "transformer_3", "transformer.joint", "blocks.7.attn1"])
+def test_check_keys_refuses_what_the_model_lacks_and_names_what_it_has(key):
+    config = AttentionConfig.from_dict({"per_role": {key: {"backend": "TORCH_SDPA"}}})
+    with pytest.raises(AttentionConfigError) as err:
+        config.resolve_sites(WAN_SITES)
+    message = str(err.value)
+    assert repr(key) in message
+    assert "['cross', 'self']" in message and "['cross_attn', 'self_attn']" in message
+    assert "['transformer', 'transformer_2']" in message
+
+
+def test_an_exact_layer_name_beats_every_glob():
+    """The README's promise: with a glob inserted first, the exact name still wins (the old code took the glob)."""
+    config = AttentionConfig.from_dict({"per_role": {"transformer.blocks.*": {"backend": "TORCH_SDPA"},
+                                                     "transformer.blocks.1.attn1": {"backend": "TORCH_REFERENCE"},
+                                                     "blocks.2.attn1": {"backend": "TRTLLM_ATTN"}}})
+    resolved = config.resolve_sites(WAN_SITES)
+    assert resolved[("transformer", "blocks.1.attn1", "self_attn", "self")][0] == "transformer.blocks.1.attn1"
+    assert resolved[("transformer", "blocks.2.attn1", "self_attn", "self")][0] == "blocks.2.attn1"
+    assert resolved[("transformer", "blocks.0.attn1", "self_attn", "self")][0] == "transformer.blocks.*"
+    assert config.resolve("transformer", "blocks.1.attn1", "self_attn", "self")[1].backend == "TORCH_REFERENCE"
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_the_glob_matching_fewer_layers_wins_whatever_the_order(order):
+    keys = [("blocks.*", "TORCH_SDPA"), ("transformer_2.blocks.1.*", "TORCH_REFERENCE"), ("*.attn2", "TRTLLM_ATTN")]
+    config = AttentionConfig.from_dict({"per_role": {k: {"backend": b} for k, b in keys[::order]}})
+    resolved = config.resolve_sites([s for s in WAN_SITES if s[1] != "blocks.1.attn2"])
+    assert resolved[("transformer_2", "blocks.1.attn1", "self_attn", "self")][0] == "transformer_2.blocks.1.*"
+    assert resolved[("transformer", "blocks.1.attn1", "self_attn", "self")][0] == "blocks.*"
+    assert resolved[("transformer", "blocks.0.attn2", "cross_attn", "cross")][0] == "*.attn2"
+    # resolve() given the model's sites ranks the same way
+    assert config.resolve("transformer_2", "blocks.1.attn1", "self_attn", "self", sites=WAN_SITES)[0] == \
+        "transformer_2.blocks.1.*"
+
+
+@pytest.mark.parametrize("first,second", [
+    ("blocks.1.*", "*.attn1"),               # overlap on blocks.1.attn1, neither contains the other
+    ("transformer.blocks.*", "blocks.*"),    # the same layers on a one-component model
+])
+def test_globs_of_equal_rank_matching_one_layer_raise_naming_both(first, second):
+    sites = [s for s in WAN_SITES if s[0] == "transformer"]
+    config = AttentionConfig.from_dict({"per_role": {first: {}, second: {"backend": "TORCH_SDPA"}}})
+    with pytest.raises(AttentionConfigError, match=r"both match transformer.blocks.[01].attn1") as err:
+        config.resolve_sites(sites)
+    assert repr(first) in str(err.value) and repr(second) in str(err.value)
+    with pytest.raises(AttentionConfigError, match="neither is more specific"):
+        config.resolve("transformer", "blocks.1.attn1", "self_attn", "self")  # this site alone: tied
+
+
+def test_role_and_category_keys_follow_globs_in_the_documented_order():
+    spec = {"backend": "TORCH_SDPA"}
+    keys = ["transformer", "self", "self_attn", "transformer.self", "transformer.self_attn"]
+    site = ("transformer", "blocks.0.attn1", "self_attn", "self")
+    for n in range(len(keys), 0, -1):
+        config = AttentionConfig.from_dict({"per_role": {k: spec for k in keys[:n]}})
+        assert config.resolve_sites(WAN_SITES)[site][0] == keys[n - 1]
+
+
 def parse(argv, environ=None):
     args = add_attention_args(argparse.ArgumentParser()).parse_args(argv)
     return config_from_args(args, environ or {})
@@ -152,7 +218,7 @@ def test_environment_variables_mirror_the_flags():
 
 @pytest.mark.parametrize("argv,env,match", [
     (["--diffusion-attention-backend", "TORCH_SDPA"], {"DIFFUSION_ATTENTION_BACKEND": "TRTLLM_ATTN"}, "contradicts"),
-    (["--diffusion-attention-backend", "TORCH_SDPA", "--trtllm-gen-sage"], {}, "configure TRTLLM_ATTN"),
+    (["--diffusion-attention-backend", "TORCH_SDPA", "--trtllm-gen-sage"], {}, "the backend is TORCH_SDPA"),
     (["--diffusion-attention-backend", "TORCH_SDPA", "--diffusion-attention-config", GUIDE_SKIP_JSON], {},
      "contradicts the config's default backend"),
     (["--diffusion-attention-config", GUIDE_SKIP_JSON, "--trtllm-gen-target-sparsity", "0.3"], {},
@@ -166,3 +232,31 @@ def test_environment_variables_mirror_the_flags():
 def test_contradictory_or_invalid_cli_settings_raise(argv, env, match):
     with pytest.raises(AttentionConfigError, match=match):
         parse(argv, env)
+
+
+def test_install_applies_precedence_and_refuses_ties_and_missing_keys():
+    """Through enable_trtllm_attention on the tiny Wan 2.2 pipeline: the exact layer beats the glob inserted
+    before it, nested globs rank by the layers they match, and ties or keys the model lacks raise at install."""
+    import torch
+
+    from diffusers_trtllm import enable_trtllm_attention
+    from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline
+
+    pipe = tiny_wan22_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    config = {"default": {"backend": "TORCH_SDPA"}, "per_role": {
+        "transformer.blocks.*": {"backend": "TORCH_REFERENCE"},
+        "transformer.blocks.1.attn1": {"backend": "TORCH_SDPA"},
+        "blocks.*": {"backend": "TORCH_SDPA"},  # matches both experts' layers: less specific than the first glob
+    }}
+    with enable_trtllm_attention(pipe, config) as handle:
+        pipe("a fox", height=96, width=160, num_frames=5, num_inference_steps=2,
+             generator=torch.Generator().manual_seed(0), output_type="latent")
+    seen = {layer: rec.backend for (_, layer, *_), rec in handle.stats.records.items()}
+    assert seen["transformer.blocks.1.attn1"] == "TORCH_SDPA"
+    assert seen["transformer.blocks.0.attn1"] == seen["transformer.blocks.1.attn2"] == "TORCH_REFERENCE"
+    assert seen["transformer_2.blocks.0.attn1"] == "TORCH_SDPA"
+    for per_role, message in (({"*.attn1": {}, "transformer.blocks.1.*": {}}, "neither is more specific"),
+                              ({"joint": {}}, r"'joint' matches no attention layer.*categories \['cross', 'self'\]")):
+        with pytest.raises(AttentionConfigError, match=message):
+            enable_trtllm_attention(pipe, {"per_role": per_role})

@@ -40,13 +40,14 @@ def test_registered_with_priority():
     assert backend.priority == 10 and backend.runner is trtllm.run
 
 
-def test_cpu_tensors_refused():
-    reason = trtllm.unavailable_reason(plan(), make_qkv())
-    assert "CUDA GPU" in reason and "cpu" in reason
+def test_cpu_tensors_refused_for_the_device_before_anything_else():
+    reason = trtllm.unavailable_reason(plan(), make_qkv(head_dim=16))  # head_dim 16 too: the device is the reason
+    assert "needs an NVIDIA sm_90" in reason and "none was found (device cpu)" in reason
+    assert trtllm.device_unavailable_reason("cpu") == reason
 
 
 def test_explicit_selection_raises_with_reason():
-    with pytest.raises(BackendUnavailableError, match="CUDA GPU"):
+    with pytest.raises(BackendUnavailableError, match="needs an NVIDIA sm_90"):
         select_backend(TRTLLM_ATTN, plan(), make_qkv())
 
 
@@ -253,7 +254,7 @@ def test_run_on_unsupported_gpu_raises(monkeypatch):
 def test_warmup_validates_before_touching_a_gpu():
     with pytest.raises(ValueError, match="float16"):
         trtllm.warmup(device="cpu", dtypes=(torch.float16,))
-    with pytest.raises(RuntimeError, match="CUDA GPU"):
+    with pytest.raises(RuntimeError, match="needs an NVIDIA sm_90.*none was found"):
         trtllm.warmup(device="cpu")
 
 

@@ -168,3 +168,55 @@ def test_memory_stays_bounded_at_32k_tokens_on_cpu():
     check = exact_attention(q[rows].double(), k.double(), v.double())
     dense_rows, _, _ = reference_attention(q[rows], k, v, d ** -0.5)
     assert rel_err(dense_rows, check) < 1e-5
+
+
+@pytest.mark.parametrize("lens_q,lens_kv", [((200,) * 2, (450,) * 2), ((450,) * 2, (200,) * 2),
+                                            ((300, 129, 77), (300, 200, 40))])
+def test_causal_sdpa_and_reference_align_the_last_query_with_the_last_key(lens_q, lens_kv):
+    """Bottom-right causal, as FlashInfer's kernels: TORCH_SDPA used PyTorch's top-left is_causal when the
+    lengths differ. Queries that see no key (more queries than keys) get 0 on both."""
+    q = torch.randn(sum(lens_q), 4, 32)
+    k, v = torch.randn(sum(lens_kv), 2, 32), torch.randn(sum(lens_kv), 2, 32)
+    qkv = VarlenQKV(q, k, v, lens_q, lens_kv)
+    plan = KernelPlan("TORCH_SDPA", scale=32 ** -0.5, causal=True)
+    sdpa = run_backend("TORCH_SDPA", qkv, plan).out
+    reference = run_backend("TORCH_REFERENCE", qkv, plan).out
+    for qi, ki, vi, rows in qkv.sequences():
+        sq, skv = len(qi), len(ki)
+        mask = torch.ones(sq, skv, dtype=torch.bool).tril(skv - sq)
+        expected = F.scaled_dot_product_attention(*(x.double().transpose(0, 1) for x in (
+            qi, ki.repeat_interleave(2, 1), vi.repeat_interleave(2, 1))), attn_mask=mask).transpose(0, 1)
+        assert rel_err(sdpa[rows], expected) < 1e-6 and rel_err(reference[rows], expected) < 1e-6
+        blind = max(sq - skv, 0)  # rows before the first key
+        assert not sdpa[rows][:blind].any() and not reference[rows][:blind].any()
+
+
+def test_explicit_threshold_on_a_ragged_batch_gives_each_sequence_lambda_max_len_over_len():
+    """The kernels take one threshold scale factor per call, λ·max_kv_len; sequence i skips with
+    λ_i = λ·max_kv_len / kv_len_i (the longest exactly λ, shorter ones more). The attention op (HunyuanVideo's
+    padded batch: each sample attends among its valid prefix) and the reference do the same."""
+    from diffusers_trtllm import HunyuanVideo15TrtllmAttnProcessor
+    from diffusers_trtllm.dispatch import run_call
+
+    lam, lens = 0.02, (1024, 600, 300)
+    parts = [local_qkv(s=max(lens), dtype=torch.float32) for _ in lens]
+    q, k, v = (torch.stack([p[i] for p in parts]) for i in range(3))  # [B, S, H, D], valid prefixes of lens
+    call = HunyuanVideo15TrtllmAttnProcessor(
+        {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": lam}}}).calls["joint_attn"]
+    call.counting = True
+    out = run_call(call, q, k, v, causal=False, scale=64 ** -0.5, valid_lengths=torch.tensor(lens))
+    skipped = 0
+    for b, n in enumerate(lens):
+        expected, s, _ = reference_attention(q[b, :n], k[b, :n], v[b, :n], 64 ** -0.5,
+                                             skip_lambda=lam * max(lens) / n)
+        assert torch.equal(out[b, :n], expected)
+        assert not out[b, n:].any()  # padded rows attend to nothing
+        skipped += int(s)
+    assert skipped > 0
+    assert int(call.counts[0]) == skipped and int(call.counts[2]) == 1
+
+
+def test_query_heads_must_be_a_multiple_of_key_heads_for_every_backend():
+    """Checked where every backend's input is built, so no kernel path (trtllm-gen included) can miss it."""
+    with pytest.raises(ValueError, match="query heads 6 not a multiple of key heads 4"):
+        VarlenQKV.from_bshd(torch.randn(1, 8, 6, 32), torch.randn(1, 8, 4, 32), torch.randn(1, 8, 4, 32))

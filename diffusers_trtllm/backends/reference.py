@@ -49,7 +49,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     kernel, or None. ``k_mean`` / ``v_scale`` ``[Hkv, D]``: batch-wide statistics replacing the sequence's own
     (:func:`~diffusers_trtllm.quant.batch_statistics`). Returns ``(out [Sq, Hq, D] in q's dtype, skipped tiles,
     total tiles)``; tiles count (head, query tile, KV tile) triples. ``causal`` aligns the last query with the
-    last key.
+    last key (bottom-right, as FlashInfer's kernels and ``TORCH_SDPA``); a query that sees no key gets 0.
     """
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -112,7 +112,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
             lsum = lsum * alpha + p_sum
             acc = acc * alpha[..., None] + pv
             m = new_m
-        out[:, c0:c0 + rows] = acc / lsum[..., None]
+        # a row that sees no key (causal, more queries than keys) gets 0, as PyTorch's SDPA gives
+        out[:, c0:c0 + rows] = torch.where(lsum[..., None] > 0, acc / lsum[..., None], 0.0)
     if quant is not None:
         out = out * (v_scale[:, None, :].to(compute) / quant.p_scale)
     return out.transpose(0, 1).to(out_dtype), skipped, total

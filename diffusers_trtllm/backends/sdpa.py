@@ -2,6 +2,10 @@
 
 The dense baseline on any device; PyTorch picks the kernel (cuDNN or flash on Hopper). Equal-length batches run
 as one call; ragged batches one call per sequence.
+
+Causal attention aligns the last query with the last key (bottom-right), as FlashInfer's and TRT-LLM's kernels
+and the reference do; PyTorch's ``is_causal`` aligns the first query with the first key (top-left), so when the
+query and key lengths differ the mask is built here. A query that sees no key gets 0, as in the reference.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
     """``[B, S, H, D]`` in and out."""
     gqa = q.shape[2] != k.shape[2]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=plan.causal, scale=plan.scale, enable_gqa=gqa)
+    sq, skv = q.shape[1], k.shape[1]
+    bottom_right = plan.causal and sq != skv
+    mask = torch.ones(sq, skv, dtype=torch.bool, device=q.device).tril(skv - sq) if bottom_right else None
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=plan.causal and not bottom_right, scale=plan.scale,
+                                         enable_gqa=gqa)
     return out.transpose(1, 2)
 
 

@@ -20,8 +20,8 @@ the GPU is refused, naming what the GPU offers (:func:`sage_block_sizes`).
 
 Declared constraints (:func:`unavailable_reason` returns the first that fails, as a sentence):
 
-- head_dim 128; q/k/v bf16 on one CUDA device; non-causal; every sequence non-empty; query heads a multiple of
-  key/value heads;
+- an sm_90, sm_100 or sm_103 GPU (checked first); head_dim 128; q/k/v bf16 on one device; non-causal; every
+  sequence non-empty; query heads a multiple of key/value heads;
 - Hopper FMHAv2: self-attention (equal lengths, grouped-query heads allowed) and cross-attention on a short
   context (75,600 queries on 512 keys, rel. err. 6.8e-5; 4,096 on 257) were proven against cuDNN SDPA on an H200.
   With fewer queries than keys FMHAv2 0.7.2 returns wrong results, grouped or not (rel. err. 0.17 for 19,320
@@ -56,8 +56,8 @@ from ..platform import flashinfer_version, gpu_arch, version_tuple
 from ..quant import P_SCALE, SageSemantics
 from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
 
-__all__ = ["CubinUnavailableError", "unavailable_reason", "run", "warmup", "sage_specs_with_kernels",
-           "sage_semantics", "sage_block_sizes"]
+__all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "run", "warmup",
+           "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes"]
 
 logger = logging.getLogger("diffusers_trtllm")
 
@@ -244,22 +244,30 @@ def _blackwell_reason(plan: KernelPlan, qkv: VarlenQKV, arch: str) -> str | None
     return flashinfer_unavailable_reason(TRTLLM_GEN)
 
 
-def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-    """``None`` when TRTLLM_ATTN can run ``plan`` on ``qkv`` on their device, else a sentence saying why not."""
-    arch = gpu_arch(qkv.q.device)
-    if arch is None:  # first: the other limits do not matter on a machine without the GPU
-        return (f"the tensors are on {qkv.q.device}; TRTLLM_ATTN needs a CUDA GPU with TRT-LLM kernels: "
-                "sm_90 (H100/H200) or sm_100/sm_103 (B200/B300)")
-    reason = _common_reason(plan, qkv)
-    if reason is not None:
-        return reason
-    if arch in FMHA_V2_ARCHS:
-        return _hopper_reason(plan, qkv)
-    if arch in TRTLLM_GEN_ARCHS:
-        return _blackwell_reason(plan, qkv, arch)
+def device_unavailable_reason(device: torch.device | str) -> str | None:
+    """``None`` when ``device`` is a GPU with TRT-LLM attention kernels, else a sentence saying why not. Checked
+    first by :func:`unavailable_reason`, and usable before any work (a command line checking its device)."""
+    arch = gpu_arch(device)
+    if arch in FMHA_V2_ARCHS + TRTLLM_GEN_ARCHS:
+        return None
+    if arch is None:
+        return (f"TRTLLM_ATTN needs an NVIDIA sm_90 (H100/H200), sm_100 or sm_103 (B200/B300) GPU and none was "
+                f"found (device {torch.device(device)})")
     hint = " (workstation Blackwell)" if arch.startswith("sm_12") else ""
     return (f"no TRT-LLM attention kernel for {arch}{hint}; TRTLLM_ATTN runs on sm_90 (H100/H200) and sm_100/"
             "sm_103 (B200/B300)")
+
+
+def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+    """``None`` when TRTLLM_ATTN can run ``plan`` on ``qkv`` on their device, else a sentence saying why not
+    (the device first: on a machine without a supported GPU, that is the reason whatever the call)."""
+    reason = device_unavailable_reason(qkv.q.device) or _common_reason(plan, qkv)
+    if reason is not None:
+        return reason
+    arch = gpu_arch(qkv.q.device)
+    if arch in FMHA_V2_ARCHS:
+        return _hopper_reason(plan, qkv)
+    return _blackwell_reason(plan, qkv, arch)
 
 
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:

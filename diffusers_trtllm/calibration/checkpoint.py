@@ -24,6 +24,7 @@ range to warn about extrapolated targets.
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from typing import Mapping
 
 from ..config import AttentionConfig
 from ..errors import AttentionConfigError, invalid
+from ..version import __version__
 from .curve import SkipCalibration
 
 logger = logging.getLogger("diffusers_trtllm")
@@ -44,6 +46,27 @@ SKIP_ALGORITHMS = ("skip_softmax", "softmax_skip")  # ModelOpt 0.45+ / 0.44 spel
 # ModelOpt algorithms this package does not run; a checkpoint may carry them beside skip_softmax.
 OTHER_MODELOPT_ALGORITHMS = ("sparse_softmax", "triton_sparse_softmax")
 PIPELINE_COMPONENTS = ("transformer", "transformer_2")
+
+
+class _CalibrationKeyIsRead(logging.Filter):
+    """diffusers warns that ``config.json`` keys its model class does not take "will be ignored. Please verify
+    your config.json", yet keeps them in ``model.config``, where this package reads ``sparse_attention_config``.
+    Drops that warning when this key is the only one it names (any other key still warns)."""
+
+    PREFIX, SUFFIX = "The config attributes ", " were passed to "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX) or self.SUFFIX not in message:
+            return True
+        try:
+            keys = ast.literal_eval(message[len(self.PREFIX):message.index(self.SUFFIX)])
+        except (ValueError, SyntaxError):
+            return True
+        return set(keys) != {CONFIG_KEY}
+
+
+logging.getLogger("diffusers.configuration_utils").addFilter(_CalibrationKeyIsRead())
 
 
 def parse_sparse_attention_config(data, *, where: str = CONFIG_KEY,
@@ -227,8 +250,6 @@ def _read_sidecar(component_dir: Path) -> dict | None:
 def sparse_attention_config(calibration: SkipCalibration, *, producer: Mapping | None = None) -> dict:
     """``calibration`` in ModelOpt 0.45+'s schema (what ``export_hf_checkpoint`` writes), plus
     ``disabled_until_timestep`` when set (as in NVIDIA's Wan 2.2 checkpoint; ModelOpt's reader ignores it)."""
-    from .. import __version__
-
     group = {"algorithm": "skip_softmax", "targets": list(calibration.targets)}
     if calibration.ignore:
         group["ignore"] = list(calibration.ignore)

@@ -107,12 +107,17 @@ class TrtllmAttnProcessor:
     def head_layout(cls, module: torch.nn.Module) -> HeadLayout:
         return HeadLayout(module.heads, module.heads, module.inner_dim // module.heads)
 
-    @classmethod
-    def check_module(cls, attn: torch.nn.Module) -> None:
-        """Raise, naming the classes, when this processor is called on an attention module it was not made for."""
-        if not cls.serves(attn):
-            raise TypeError(f"{cls.__name__} serves {list(cls.ATTENTION_CLASSES)} attention "
-                            f"({', '.join(cls.TRANSFORMER_CLASSES)}); it was called on a {type(attn).__name__}")
+    def check_module(self, attn: torch.nn.Module) -> None:
+        """Raise ``TypeError`` when ``attn`` is not an attention module of the model this processor is made for
+        (``transformer.set_attn_processor`` accepts any processor; a wrong one would fail deep in the model code)."""
+        name = type(attn).__name__
+        if name in self.ATTENTION_CLASSES:
+            return
+        right = [cls.__name__ for cls in TrtllmAttnProcessor.__subclasses__() if name in cls.ATTENTION_CLASSES]
+        hint = f"; its processor is {right[0]}" if right else "; this package has no processor for it"
+        raise TypeError(f"{type(self).__name__} is made for {', '.join(self.TRANSFORMER_CLASSES)} "
+                        f"({', '.join(self.ATTENTION_CLASSES)} modules) but was called on a {name}{hint} "
+                        "(or use enable_trtllm_attention, which picks the processor from the model)")
 
     @classmethod
     def shared_state(cls) -> dict:

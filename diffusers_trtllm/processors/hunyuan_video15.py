@@ -79,9 +79,9 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
                  image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None):
-        if type(attn).__name__ in self.ATTENTION_CLASSES and not self.serves(attn):
-            return self._refiner_processor(attn, hidden_states, encoder_hidden_states, attention_mask)
         self.check_module(attn)
+        if not self.serves(attn):
+            return self._refiner_processor(attn, hidden_states, encoder_hidden_states, attention_mask)
         query = attn.norm_q(_heads(attn.to_q, hidden_states, attn.heads))
         key = attn.norm_k(_heads(attn.to_k, hidden_states, attn.heads))
         value = _heads(attn.to_v, hidden_states, attn.heads)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import textwrap
 import warnings
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -32,63 +33,100 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align:
     return "\n".join(lines)
 
 
-def plot_quality_vs_speedup(points: Sequence[tuple[str, float, float]], ylabel: str, path: str,
-                            title: str = "") -> str:
-    """Scatter of ``(label, speed-up, quality)`` points, each labelled, to a PNG."""
+MARKERS = "osD^vP*Xhp<>"
+
+
+def plot_quality_vs_speedup(points: Sequence[tuple[str, float | None, float]], ylabel: str, path: str,
+                            title: str = "", note: str = "") -> str:
+    """Quality against transformer speed-up, one marker per ``(label, speed-up, quality)`` point, named in a
+    legend beside the axes (labels written at the points overlap). Points without a speed-up (a backend whose
+    time means nothing, e.g. TORCH_REFERENCE) are drawn as a quality-only dot plot instead; ``note`` says why
+    under the title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, speedup, quality in points:
-        ax.scatter(speedup, quality)
-        ax.annotate(label, (speedup, quality), fontsize=7, xytext=(4, 3), textcoords="offset points")
-    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("transformer speed-up vs reference (×)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
+    timed = [p for p in points if p[1] is not None]
+    untimed = [p for p in points if p[1] is None]
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.32 * max(len(untimed), 10)) if untimed and not timed
+                           else (10, 5))
+    if timed:
+        for i, (label, speedup, quality) in enumerate(timed):
+            ax.scatter(speedup, quality, marker=MARKERS[i % len(MARKERS)], s=45, label=label)
+        ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("transformer speed-up vs reference (×)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    else:
+        labels = [label for label, _, _ in untimed][::-1]
+        ax.scatter([quality for _, _, quality in untimed][::-1], range(len(labels)), s=30)
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.set_xlabel(ylabel)
+    ax.set_title(title + ("\n" + "\n".join(textwrap.wrap(note, 110)) if note else ""), fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
 def plot_sparsity(grids: Mapping[str, Mapping[tuple[int, str], float | None]], path: str, title: str = "") -> str:
-    """Per configuration: achieved sparsity per step (top row) and per step × layer as a heatmap; layers and steps
-    without counts are blank. ``grids`` maps a configuration label to :func:`sparsity_grid`."""
+    """Achieved sparsity of the configurations that skipped: mean over the skipping layers per step, all
+    configurations in one panel; then per configuration a step × layer heatmap of the layers that ran
+    Skip-Softmax. Grey cells: nothing counted there (the gate kept the step dense on a backend that does not
+    count, or the layer's expert did not run that step). ``grids`` maps a configuration label to
+    :func:`sparsity_grid`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from matplotlib.ticker import MaxNLocator
+
     labels = list(grids)
-    fig, axes = plt.subplots(2, len(labels), figsize=(4.2 * len(labels), 7), squeeze=False)
-    for col, label in enumerate(labels):
+    columns = min(3, len(labels))
+    heat_rows = -(-len(labels) // columns)
+    fig = plt.figure(figsize=(13, 3.6 + 3.2 * heat_rows), layout="constrained")
+    layout = fig.add_gridspec(1 + heat_rows, columns, height_ratios=[1.1] + [1.0] * heat_rows)
+    mean_ax = fig.add_subplot(layout[0, :])
+    heat_axes = []
+    cmap = plt.get_cmap("viridis").with_extremes(bad="0.85")
+    image = None
+    for index, label in enumerate(labels):
         grid = grids[label]
         steps = sorted({s for s, _ in grid})
-        layers = sorted({layer for _, layer in grid}, key=_natural_key)
+        layers = sorted({layer for (_, layer), value in grid.items() if value is not None}, key=_natural_key)
         matrix = np.full((len(layers), len(steps)), np.nan)
         for (step, layer), value in grid.items():
             if value is not None:
                 matrix[layers.index(layer), steps.index(step)] = value
-        with warnings.catch_warnings():  # a step with no counted layer has no mean: left blank
+        with warnings.catch_warnings():  # a step with no counted layer has no mean: no point
             warnings.simplefilter("ignore", RuntimeWarning)
             step_mean = np.nanmean(matrix, axis=0)
-        axes[0, col].plot(steps, step_mean, marker="o")
-        axes[0, col].set_ylim(-0.02, 1.02)
-        axes[0, col].set_title(label, fontsize=8)
-        axes[0, col].set_xlabel("step")
-        axes[0, col].set_ylabel("mean sparsity over layers")
-        image = axes[1, col].imshow(matrix, aspect="auto", vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
-        axes[1, col].set_yticks(range(len(layers)), [_short_layer(name) for name in layers], fontsize=5)
-        axes[1, col].set_xlabel("step")
-        fig.colorbar(image, ax=axes[1, col], fraction=0.046)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        mean_ax.plot(steps, step_mean, marker=MARKERS[index % len(MARKERS)], label=label)
+        ax = fig.add_subplot(layout[1 + index // columns, index % columns])
+        heat_axes.append(ax)
+        image = ax.imshow(np.ma.masked_invalid(matrix), aspect="auto", vmin=0, vmax=1, cmap=cmap,
+                          interpolation="nearest")
+        every = max(1, len(layers) // 16)  # at most ~16 layer names per heatmap stay readable
+        ax.set_yticks(range(0, len(layers), every), [_short_layer(layers[i]) for i in range(0, len(layers), every)],
+                      fontsize=7)
+        ax.set_xticks(range(len(steps)), steps, fontsize=7)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_title(label, fontsize=8)
+    mean_ax.set_ylim(-0.02, 1.02)
+    mean_ax.set_xlabel("denoising step")
+    mean_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    mean_ax.set_ylabel("mean sparsity\n(skipping layers)")
+    mean_ax.grid(alpha=0.3)
+    mean_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    if image is not None:
+        fig.colorbar(image, ax=heat_axes, fraction=0.02, label="skipped / all KV tiles")
+    fig.suptitle(f"{title}\nheatmaps: the layers that ran Skip-Softmax (rows) per step; grey: no Skip-Softmax "
+                 "counted there (the gate kept the step dense, or the layer's expert did not run)", fontsize=9)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 

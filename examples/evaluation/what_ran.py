@@ -18,10 +18,11 @@ def _layer_step_records(stats) -> dict[tuple[int, str], list]:
 
 
 def sparsity_grid(stats) -> dict[tuple[int, str], float | None]:
-    """Achieved sparsity per ``(step, layer)``; None where the backend did not count."""
+    """Achieved sparsity per ``(step, layer)``; None where Skip-Softmax did not run (dense layers, steps the gate
+    kept dense) or the backend did not count."""
     grid = {}
     for key, recs in _layer_step_records(stats).items():
-        if any(not r.counted for r in recs):
+        if any(not r.counted or "skip" not in r.mode for r in recs):
             grid[key] = None
             continue
         total = sum(int(r.total) for r in recs)
@@ -59,12 +60,20 @@ def _step_ranges(steps: Sequence[int]) -> str:
 
 def describe_attention_plan(stats) -> str:
     """Markdown table of what ran: consecutive steps with the same per-layer modes share a row per mode, with the
-    layers (compressed) and the steps' achieved sparsity where counted."""
+    layers (compressed) and, on rows that skip, those layers' achieved sparsity per step (n/a: not counted)."""
+    records = _layer_step_records(stats)
     per_step: dict[int, dict[str, list[str]]] = {}
-    for (step, layer), recs in sorted(_layer_step_records(stats).items()):
+    for (step, layer), recs in sorted(records.items()):
         mode = " & ".join(sorted(f"{r.backend}:{r.mode}" for r in recs))
         per_step.setdefault(step, {}).setdefault(mode, []).append(layer)
-    sparsity = stats.per_step()
+
+    def sparsity(step: int, layers: list[str]) -> str:
+        recs = [r for layer in layers for r in records[(step, layer)]]
+        if any(not r.counted for r in recs):
+            return "n/a"
+        total = sum(int(r.total) for r in recs)
+        return format_number(sum(int(r.skipped) for r in recs) / total if total else 0.0, 3)
+
     lines = ["| steps | ran | layers | sparsity per step |", "|---|---|---|---|"]
     steps = sorted(per_step)
     i = 0
@@ -73,8 +82,8 @@ def describe_attention_plan(stats) -> str:
         while j + 1 < len(steps) and per_step[steps[j + 1]] == per_step[steps[i]]:
             j += 1
         group = steps[i:j + 1]
-        measured = " ".join(format_number(sparsity.get(s), 3) for s in group)
         for mode, layers in sorted(per_step[steps[i]].items()):
+            measured = " ".join(sparsity(s, layers) for s in group) if "skip" in mode else "- (dense)"
             lines.append(f"| {_step_ranges(group)} | {mode} | {', '.join(compress_layer_names(layers))} | "
                          f"{measured} |")
         i = j + 1

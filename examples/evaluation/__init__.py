@@ -1,5 +1,8 @@
-"""Pieces shared by ``examples/generate.py``, ``examples/evaluate.py`` and ``benchmarks/transformer_step.py``.
+"""Pieces shared by the examples (``demo.py``, ``generate.py``, ``evaluate.py``, ``calibrate.py``) and
+``benchmarks/transformer_step.py``: not part of the library. The examples import it from their own folder
+(``from evaluation import ...``); the benchmark puts ``examples/`` on ``sys.path``.
 
+- :mod:`.cli`: the command-line conventions (one line on stderr, exit status 2, checked before the work);
 - :mod:`.models`: :data:`MODELS`, the models of the test plan by id (pipeline class, test-plan shape, tiny builder,
   and the real transformer configuration for the random-weight speed run); loading and running a pipeline to
   video frames, exporting them;
@@ -16,11 +19,12 @@ that need them: the speed benchmark runs on a GPU machine that has none of the p
 """
 
 from .configs import (PLAN_GATES, REFERENCE_LABEL, SAGE_ATTN_LABEL, TABLE_BACKENDS, TABLE_SAGE, TABLE_SAGE_SKIP,
-                      TABLE_SKIP, EvalConfig, attention_config, no_attention, replaced_backend, sageattention_peer,
-                      sageattention_unavailable_reason, skip_settings, test_plan_configs)
+                      TABLE_SKIP, EvalConfig, attention_config, backend_label, describe_config, no_attention, open_gate,
+                      replaced_backend, sageattention_peer, sageattention_unavailable_reason, skip_settings,
+                      test_plan_configs)
 from .metrics import LpipsScorer, psnr, ssim
-from .models import (MODELS, TINY_SHAPE, ModelEntry, SpeedRun, VideoShape, entry_for_pipeline, export_frames,
-                     find_model, generate_frames, load_pipeline)
+from .models import (MODELS, TINY_SHAPE, ModelEntry, ModelLoadError, SpeedRun, VideoShape, entry_for_pipeline,
+                     export_frames, find_model, from_pretrained, generate_frames, load_model, load_pipeline)
 from .reports import (PLAN_TABLES, RESULT_ALIGN, RESULT_COLUMNS, RunRecord, format_number, markdown_table,
                       plan_tables, plot_quality_vs_speedup, plot_sparsity)
 from .timing import TransformerTimer, synchronize
@@ -28,14 +32,15 @@ from .what_ran import compress_layer_names, describe_attention_plan, sparsity_gr
 
 __all__ = [
     # models
-    "MODELS", "TINY_SHAPE", "ModelEntry", "SpeedRun", "VideoShape", "entry_for_pipeline", "export_frames",
-    "find_model", "generate_frames", "load_pipeline",
+    "MODELS", "TINY_SHAPE", "ModelEntry", "ModelLoadError", "SpeedRun", "VideoShape", "entry_for_pipeline",
+    "export_frames", "find_model", "from_pretrained", "generate_frames", "load_model", "load_pipeline",
     # timing
     "TransformerTimer", "synchronize",
     # configs
     "PLAN_GATES", "REFERENCE_LABEL", "SAGE_ATTN_LABEL", "TABLE_BACKENDS", "TABLE_SAGE", "TABLE_SAGE_SKIP",
-    "TABLE_SKIP", "EvalConfig", "attention_config", "no_attention", "replaced_backend", "sageattention_peer",
-    "sageattention_unavailable_reason", "skip_settings", "test_plan_configs",
+    "TABLE_SKIP", "EvalConfig", "attention_config", "backend_label", "describe_config", "no_attention", "open_gate",
+    "replaced_backend", "sageattention_peer", "sageattention_unavailable_reason", "skip_settings",
+    "test_plan_configs",
     # metrics
     "LpipsScorer", "psnr", "ssim",
     # what ran

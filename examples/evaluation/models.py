@@ -8,7 +8,9 @@ functions that need them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -160,14 +162,20 @@ MODELS: dict[str, ModelEntry] = {entry.model_id: entry for entry in (
 )}
 
 
+class ModelLoadError(RuntimeError):
+    """A model id, alias or folder that names no evaluated model or cannot be loaded; the message says which and
+    why, in one line."""
+
+
 def find_model(name: str) -> ModelEntry:
-    """The entry whose model id or alias is ``name`` (case-insensitive), or a ValueError listing them."""
+    """The entry whose model id or alias is ``name`` (case-insensitive), or a :class:`ModelLoadError` listing
+    them."""
     low = name.lower()
     for entry in MODELS.values():
         if low == entry.model_id.lower() or low in entry.aliases:
             return entry
     known = ", ".join(f"{e.model_id} ({'/'.join(e.aliases)})" for e in MODELS.values())
-    raise ValueError(f"unknown model {name!r}; known: {known}")
+    raise ModelLoadError(f"unknown model {name!r}; known: {known}, or a local pipeline folder")
 
 
 def entry_for_pipeline(pipe) -> ModelEntry:
@@ -176,24 +184,48 @@ def entry_for_pipeline(pipe) -> ModelEntry:
     for entry in MODELS.values():
         if entry.pipeline_class == cls:
             return entry
-    raise ValueError(f"{cls} is none of the evaluated pipelines {[e.pipeline_class for e in MODELS.values()]}")
+    raise ModelLoadError(f"{cls} is none of the evaluated pipelines {[e.pipeline_class for e in MODELS.values()]}")
+
+
+class _HubUnreachable(logging.Filter):
+    """Drops diffusers' "Couldn't connect to the Hub ... Will try to load from local cache" warning: when the
+    cache lacks the model, :class:`ModelLoadError` says so in one line; when it has it, nothing is wrong."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Couldn't connect to the Hub")
+
+
+def from_pretrained(pipeline_class: str, source: str, dtype: torch.dtype):
+    """``diffusers.<pipeline_class>.from_pretrained(source)``; a model that cannot be found or read (offline and
+    not cached, a wrong path, a folder of another pipeline) raises :class:`ModelLoadError` in one line."""
+    import diffusers
+
+    hub_logger, quiet = logging.getLogger("diffusers.pipelines.pipeline_utils"), _HubUnreachable()
+    hub_logger.addFilter(quiet)
+    try:
+        return getattr(diffusers, pipeline_class).from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError) as e:  # what from_pretrained raises for a missing, uncached or foreign model
+        # diffusers points at "the stacktrace above", which a one-line error does not show: its cause goes in
+        reason = " ".join(str(e).replace("Please check out the root cause in the stacktrace above.", "").split())
+        if e.__cause__ is not None:
+            reason += f" ({type(e.__cause__).__name__}: {' '.join(str(e.__cause__).split())})"
+        raise ModelLoadError(f"cannot load {source!r} with {pipeline_class}: {reason}") from e
+    finally:
+        hub_logger.removeFilter(quiet)
 
 
 def load_pipeline(entry: ModelEntry, *, tiny: bool, device: str, dtype: torch.dtype, source: str | None = None):
     """The tiny random pipeline of ``entry`` (from :mod:`diffusers_trtllm.tiny_pipelines`) or the pretrained one
     from ``source`` (default: its model id)."""
     if tiny:
-        from .. import tiny_pipelines
+        from diffusers_trtllm import tiny_pipelines
 
         builder = getattr(tiny_pipelines, entry.tiny_builder, None)
         if builder is None:
             raise ValueError(f"no tiny pipeline for {entry.name}: diffusers_trtllm.tiny_pipelines has no "
                              f"{entry.tiny_builder}()")
         return builder().to(device)
-    import diffusers
-
-    cls = getattr(diffusers, entry.pipeline_class)
-    return cls.from_pretrained(source or entry.model_id, torch_dtype=dtype).to(device)
+    return from_pretrained(entry.pipeline_class, source or entry.model_id, dtype).to(device)
 
 
 def generate_frames(pipe, entry: ModelEntry, prompt: str, shape: VideoShape, seed: int, *,
@@ -212,7 +244,20 @@ def generate_frames(pipe, entry: ModelEntry, prompt: str, shape: VideoShape, see
 
 
 def export_frames(frames: torch.Tensor, path: str, fps: int) -> str:
-    """Write ``[frames, C, H, W]`` in [0, 1] to an MP4 with diffusers' ``export_to_video``."""
+    """Write ``[frames, C, H, W]`` in [0, 1] to an MP4 with diffusers' ``export_to_video`` through imageio (the
+    ``examples`` extra; without it diffusers would fall back to OpenCV)."""
+    import imageio  # noqa: F401  (fail here, naming the package, rather than in diffusers' OpenCV fallback)
     from diffusers.utils import export_to_video
 
     return export_to_video(list(frames.permute(0, 2, 3, 1).clamp(0, 1).numpy()), path, fps=fps)
+
+
+def load_model(model: str | None, *, tiny: bool, device: str, dtype: torch.dtype) -> tuple[ModelEntry, object]:
+    """``(entry, pipeline)`` for a command line's ``--model``: a local pipeline folder (e.g. written by
+    calibrate.py), a known model id or alias, or None (the first model, Wan 2.2); ``tiny`` builds the model's tiny
+    random pipeline instead of loading one."""
+    if model is not None and Path(model).is_dir():
+        pipe = from_pretrained("DiffusionPipeline", model, dtype).to(device)
+        return entry_for_pipeline(pipe), pipe
+    entry = find_model(model) if model else next(iter(MODELS.values()))
+    return entry, load_pipeline(entry, tiny=tiny, device=device, dtype=dtype)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..backends.base import KernelPlan, KernelResult, VarlenQKV, get_backend, register_backend
-from ..cli import SAGE_PRESET
-from ..config import TORCH_SDPA, AttentionConfig, AttnQuantSpec
+from diffusers_trtllm.backends.base import KernelPlan, KernelResult, VarlenQKV, get_backend, register_backend
+from diffusers_trtllm.cli import SAGE_PRESET
+from diffusers_trtllm.config import TORCH_SDPA, TRTLLM_ATTN, AttentionConfig, AttnQuantSpec
 
 
 REFERENCE_LABEL = "TORCH_SDPA dense (ref)"
@@ -38,6 +39,24 @@ class EvalConfig:
     gate: float | None = None
     peer: str | None = None
 
+    @property
+    def warmup(self) -> AttentionConfig:
+        """The configuration to warm up with: see :func:`open_gate`."""
+        return open_gate(self.config)
+
+
+def open_gate(config: AttentionConfig) -> AttentionConfig:
+    """``config`` with every Skip-Softmax gate open (D = 1: no step is kept dense), so a short warm-up runs every
+    kernel the configuration will use (first-call costs, kernel builds) before the timed run."""
+    def opened(spec):
+        if spec.skip_softmax is None:
+            return spec
+        return dataclasses.replace(spec, skip_softmax=dataclasses.replace(spec.skip_softmax,
+                                                                          disabled_until_timestep=1.0))
+
+    return AttentionConfig(default=opened(config.default),
+                           per_role={key: opened(spec) for key, spec in config.per_role.items()})
+
 
 def skip_settings(threshold: float | None, target_sparsity: float | None) -> dict:
     """The Skip-Softmax amount: λ itself, or a point on a calibrated curve (needs a calibrated checkpoint)."""
@@ -56,27 +75,45 @@ def attention_config(backend: str, *, sdpa_roles: Sequence[str] = (), skip: Mapp
                                       "per_role": {role: {"backend": TORCH_SDPA} for role in sdpa_roles}})
 
 
+def backend_label(backend: str) -> str:
+    """How the tables name the backend of the TRT-LLM configurations (the test plan says ``trtllm-gen``)."""
+    return "trtllm-gen" if backend == TRTLLM_ATTN else backend
+
+
 def test_plan_configs(backend: str, skip: Mapping, *, gates: Sequence[float] = PLAN_GATES,
-                      sage: AttnQuantSpec = SAGE_PRESET, sdpa_roles: Sequence[str] = ()) -> list[EvalConfig]:
+                      sage: AttnQuantSpec = SAGE_PRESET, sdpa_roles: Sequence[str] = (),
+                      dtype_name: str = "BF16") -> list[EvalConfig]:
     """The test plan's configurations in run order; the first is the reference. ``backend`` runs every
-    non-reference configuration (TRTLLM_ATTN on a GPU; TORCH_REFERENCE, same semantics, on a CPU)."""
+    non-reference configuration (TRTLLM_ATTN on a GPU; TORCH_REFERENCE, same semantics, on a CPU) and names them,
+    with ``dtype_name`` (the pipeline's dtype) on the dense one."""
     sage_name = {"fp8_e4m3": "FP8", "int8": "INT8"}[sage.dtype_qk] + "-SAGE"
+    name = backend_label(backend)
 
     def make(**kw) -> AttentionConfig:
         return attention_config(backend, sdpa_roles=sdpa_roles, **kw)
 
     sdpa_only = AttentionConfig.from_dict({"default": {"backend": TORCH_SDPA}})
     configs = [EvalConfig(REFERENCE_LABEL, TABLE_BACKENDS, sdpa_only),
-               EvalConfig("trtllm-gen BF16 dense", TABLE_SAGE, make()),
-               EvalConfig(f"trtllm-gen {sage_name}", TABLE_SAGE, make(quant=sage))]
+               EvalConfig(f"{name} {dtype_name} dense", TABLE_SAGE, make()),
+               EvalConfig(f"{name} {sage_name}", TABLE_SAGE, make(quant=sage))]
     for gate in gates:
-        configs.append(EvalConfig(f"trtllm-gen Skip D={gate:.2f}", TABLE_SKIP,
+        configs.append(EvalConfig(f"{name} Skip D={gate:.2f}", TABLE_SKIP,
                                   make(skip={**skip, "disabled_until_timestep": gate}), gate))
     for gate in gates:
-        configs.append(EvalConfig(f"trtllm-gen {sage_name}+Skip D={gate:.2f}", TABLE_SAGE_SKIP,
+        configs.append(EvalConfig(f"{name} {sage_name}+Skip D={gate:.2f}", TABLE_SAGE_SKIP,
                                   make(skip={**skip, "disabled_until_timestep": gate}, quant=sage), gate))
     configs.append(EvalConfig(SAGE_ATTN_LABEL, TABLE_BACKENDS, sdpa_only, peer="SAGE_ATTN"))
     return configs
+
+
+def describe_config(config: AttentionConfig) -> str:
+    """``config`` as compact JSON: unset (null) fields left out."""
+    def drop_unset(value):
+        if isinstance(value, dict):
+            return {k: drop_unset(v) for k, v in value.items() if v is not None and v != {}}
+        return value
+
+    return json.dumps(drop_unset(json.loads(config.to_json())), ensure_ascii=False)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ from typing import Mapping
 
 import torch
 
-from ..install import pipeline_transformers
+from diffusers_trtllm.install import pipeline_transformers
 
 
 class TransformerTimer:

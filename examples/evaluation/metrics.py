@@ -58,7 +58,9 @@ class LpipsScorer:
 
             self._model = lpips.LPIPS(net="alex", verbose=False).to(device).eval()
         except Exception as e:  # noqa: BLE001  (import, download and load failures all mean: no LPIPS)
-            self.unavailable = f"LPIPS (AlexNet) could not be loaded: {type(e).__name__}: {str(e).splitlines()[0]}"
+            self.unavailable = (f"LPIPS (AlexNet) could not be loaded: {type(e).__name__}: {str(e).splitlines()[0]} "
+                                "(optional: pip install lpips with a torchvision built for this torch, and the "
+                                "AlexNet weights downloadable or cached)")
 
     @torch.no_grad()
     def score(self, video: torch.Tensor, reference: torch.Tensor) -> float | None:

@@ -1,0 +1,1 @@
+"""Integrations with serving frameworks; each module is imported only by the framework that loads it."""

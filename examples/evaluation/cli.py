@@ -1,0 +1,88 @@
+"""The examples' command-line conventions: a bad flag, configuration value, device, model or missing package is
+one line on stderr and exit status 2 (argparse's ``parser.error``), found before any expensive work where it can
+be (a backend the device cannot run is refused before the first video, not in the middle of one)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+from typing import Iterator
+
+import torch
+
+from diffusers_trtllm import AttentionConfig, AttentionConfigError, BackendUnavailableError
+from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
+from diffusers_trtllm.backends.trtllm import device_unavailable_reason
+from diffusers_trtllm.calibration import CalibrationError
+from diffusers_trtllm.config import TRTLLM_ATTN
+
+from .models import ModelLoadError
+
+#: what a user can get wrong on the command line; anything else is a bug and keeps its traceback
+USER_ERRORS = (AttentionConfigError, BackendUnavailableError, CalibrationError, ModelLoadError)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (argparse prints its usage first): ``prog: error: message``
+    on stderr, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``--steps 0`` would otherwise run the pipeline's default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: expected an integer >= 1")
+    return value
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(parser: argparse.ArgumentParser, device: str) -> torch.device:
+    """``device`` as a torch device that exists here, or ``parser.error``."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        parser.error(f"--device {device!r} is invalid: {e}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        parser.error(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return parsed
+
+
+def check_backends(parser: argparse.ArgumentParser, configs: list[AttentionConfig], device: torch.device) -> None:
+    """Refuse, before any work, a configuration that names TRTLLM_ATTN on a device without its kernels (the
+    library would only find out at the first attention call)."""
+    named = any(spec.backend == TRTLLM_ATTN for config in configs
+                for spec in (config.default, *config.per_role.values()))
+    if named and os.environ.get(TRTLLM_ON_REFERENCE_ENV) != "1":
+        reason = device_unavailable_reason(device)
+        if reason is not None:
+            parser.error(f"{reason}; on this machine use TORCH_SDPA, TORCH_REFERENCE or auto")
+
+
+def require_packages(parser: argparse.ArgumentParser, purpose: str, *modules: str) -> None:
+    """``parser.error`` naming the install command when one of ``modules`` is not installed."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        parser.error(f"{purpose} needs {', '.join(missing)}: pip install -e \".[examples]\" (from the repository "
+                     "root)")
+
+
+@contextlib.contextmanager
+def user_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """Turn :data:`USER_ERRORS` raised inside into ``parser.error`` (the first line of the message)."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        parser.error(str(e).strip().splitlines()[0])

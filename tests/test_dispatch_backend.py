@@ -1,0 +1,113 @@
+"""The ``"trtllm"`` backend of diffusers' attention dispatcher on a model this package has no processor for (a
+tiny Flux): parity with diffusers' native backend, both ways in, and the calls it refuses.
+
+Tolerance: float32 throughout; TORCH_SDPA is the same PyTorch SDPA diffusers' native backend calls and
+TORCH_REFERENCE a tiled online softmax, which sums in another order: both agree with native to a few float32
+rounding steps (observed ~1e-6 relative), so 1e-5 relative.
+"""
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
+
+from diffusers_trtllm import AttentionConfigError, enable_trtllm_attention, set_dispatch_config
+from diffusers_trtllm.dispatch import BACKEND, trtllm_attention
+
+from helpers import max_rel_err, tiny_wan
+
+TOLERANCE = 1e-5
+TEXT_TOKENS, IMAGE_TOKENS = 7, 16
+
+
+@pytest.fixture(autouse=True)
+def _reset_dispatch_config():
+    yield
+    set_dispatch_config(None)
+
+
+def tiny_flux():
+    """One double-stream and one single-stream block, 2 heads of 16 channels."""
+    return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                  pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6)).eval()
+
+
+def flux_inputs(batch=2):
+    return dict(hidden_states=torch.randn(batch, IMAGE_TOKENS, 4),
+                encoder_hidden_states=torch.randn(batch, TEXT_TOKENS, 32), pooled_projections=torch.randn(batch, 32),
+                timestep=torch.full((batch,), 0.5), img_ids=torch.randn(IMAGE_TOKENS, 3),
+                txt_ids=torch.zeros(TEXT_TOKENS, 3), return_dict=False)
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+@pytest.mark.parametrize("backend", ["TORCH_REFERENCE", "TORCH_SDPA"])
+def test_set_attention_backend_matches_native(backend):
+    model, inputs = tiny_flux(), flux_inputs()
+    native = run(model, inputs)
+    set_dispatch_config({"default": {"backend": backend}})
+    model.set_attention_backend("trtllm")
+    assert max_rel_err(run(model, inputs), native) <= TOLERANCE
+
+
+def test_attention_backend_context_matches_native():
+    model, inputs = tiny_flux(), flux_inputs()
+    native = run(model, inputs)
+    set_dispatch_config({"default": {"backend": "TORCH_REFERENCE"}})
+    with attention_backend("trtllm"):
+        got = run(model, inputs)
+    assert max_rel_err(got, native) <= TOLERANCE
+
+
+def test_dispatch_config_features_reach_the_call():
+    """The default spec's Skip-Softmax and SAGE reach the reference: int8 Q/K change the output (the tiny
+    sequences fit in one skip tile, so λ alone would not)."""
+    model, inputs = tiny_flux(), flux_inputs()
+    model.set_attention_backend("trtllm")
+    set_dispatch_config({"default": {"backend": "TORCH_REFERENCE"}})
+    dense = run(model, inputs)
+    set_dispatch_config({"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.9},
+                                     "quant": {"dtype_qk": "int8"}}})
+    assert max_rel_err(run(model, inputs), dense) > 1e-3
+
+
+def attention_call(**kwargs):
+    q = torch.randn(1, 8, 2, 16)
+    return dispatch_attention_fn(q, q, q, backend=BACKEND, **kwargs)
+
+
+def test_incompatible_calls_raise():
+    set_dispatch_config({"default": {"backend": "TORCH_REFERENCE"}})
+    with pytest.raises(ValueError, match="takes no attn_mask .*shaped \\(1, 1, 8, 8\\).*'native'"):
+        attention_call(attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="inference only \\(dropout_p=0.1\\)"):
+        attention_call(dropout_p=0.1)
+    with pytest.raises(ValueError, match="does not return the log-sum-exp"):  # diffusers' ring attention asks
+        q = torch.randn(1, 8, 2, 16)
+        trtllm_attention(q, q, q, return_lse=True)
+    assert attention_call().shape == (1, 8, 2, 16)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"per_role": {"self": {"backend": "TORCH_SDPA"}}}, r"per_role keys \['self'\] need this package's processors"),
+    ({"default": {"skip_softmax": {"threshold": 0.1, "disabled_until_timestep": 0.5}}},
+     "disabled_until_timestep and target_sparsity need the pipeline's timestep"),
+    ({"default": {"skip_softmax": {"target_sparsity": 0.5}}}, "set_dispatch_config takes skip_softmax.threshold only"),
+], ids=["per_role", "gate", "target_sparsity"])
+def test_set_dispatch_config_refuses_what_needs_processors(config, match):
+    with pytest.raises(AttentionConfigError, match=match):
+        set_dispatch_config(config)
+
+
+def test_another_backend_on_a_model_with_this_packages_processors_raises():
+    model = tiny_wan()
+    handle = enable_trtllm_attention(model, {"default": {"backend": "TORCH_SDPA"}})
+    with pytest.raises(ValueError, match="restore the model's processors first"):
+        model.set_attention_backend("native")
+    model.set_attention_backend("trtllm")  # its own backend is accepted
+    handle.restore()
+    model.set_attention_backend("native")  # after restore, any backend
