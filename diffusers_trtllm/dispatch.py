@@ -92,12 +92,15 @@ def run_call(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value:
         out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                              is_causal=causal, scale=scale,
                                              enable_gqa=query.shape[2] != key.shape[2])
-        if call.counting:
+        if counting(call):
             call.counts[2] += 1  # a call that counts no tiles (see ops.attention)
         return out.transpose(1, 2)
-    return torch.ops.diffusers_trtllm.attention(
-        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, call.counts, call.counting,
+    out, counts = torch.ops.diffusers_trtllm.attention(
+        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, counting(call),
         call.backend, scale, causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
+    if counting(call):
+        call.counts += counts
+    return out
 
 
 def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -110,12 +113,17 @@ def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise ValueError(f"the {BACKEND_NAME!r} attention backend takes no attn_mask (got one shaped "
                          f"{tuple(attn_mask.shape)}); use a backend with masks (e.g. 'native') for this model")
     if dropout_p:
-        raise ValueError(f"the {BACKEND_NAME!r} attention backend runs inference only (dropout_p={dropout_p})")
+        raise ValueError(f"the {BACKEND_NAME!r} attention backend has no dropout (dropout_p={dropout_p})")
     if return_lse:
         raise ValueError(f"the {BACKEND_NAME!r} attention backend does not return the log-sum-exp")
     if _parallel_config is None:
         return run_call(call, query, key, value, causal=is_causal, scale=scale, valid_lengths=valid_lengths)
     return _context_parallel(call, valid_lengths, query, key, value, is_causal, scale, _parallel_config)
+
+
+def counting(call: AttentionCall) -> bool:
+    """Whether this call adds to its statistics counters (not while torch.export traces)."""
+    return call.counting and not torch.compiler.is_exporting()
 
 
 def _context_parallel(call, valid_lengths, query, key, value, is_causal, scale, parallel_config) -> torch.Tensor:
@@ -134,7 +142,7 @@ def _context_parallel(call, valid_lengths, query, key, value, is_causal, scale, 
         return run_call(call, q, k, v, causal=is_causal, scale=scale)
 
     def backward_op(*args, **kwargs):
-        raise NotImplementedError(f"the {BACKEND_NAME!r} attention backend runs inference only")
+        raise NotImplementedError(f"the {BACKEND_NAME!r} attention backend has no backward under context parallelism")
 
     return diffusers_dispatch._templated_context_parallel_attention(
         query, key, value, None, 0.0, is_causal, scale, False, False, forward_op=forward_op,

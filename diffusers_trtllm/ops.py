@@ -9,9 +9,10 @@ What changes during a run reaches the op as tensors, so it never forces a recomp
 - ``skip_value``: a 0-dim float64 tensor on the CPU, updated in place once per denoising step by the planner:
   0 runs dense; otherwise FlashInfer's threshold scale factor, or λ when ``per_kv_len`` (the factor is then
   λ · the longest key length of the call). Reading it in the op is a host read, never a device sync.
-- ``counts``: int64 ``[4]`` on q's device, accumulated in place when ``count``: skipped KV tiles, tiles,
-  calls, calls whose backend counted tiles. Statistics read it once per step, outside the traced region. (Always
-  a tensor: an optional mutated argument trips inductor.)
+- the op returns this call's counts (skipped KV tiles, tiles, calls, calls whose backend counted tiles) as a
+  device tensor that the caller adds to its site's counters; statistics read those once per step, outside the
+  traced region. The op itself mutates nothing, so autograd (a dense, straight-through backward) and
+  ``torch.export`` take it.
 - ``valid_lengths``: an int CPU tensor of each sample's valid prefix (HunyuanVideo's padded text), read on
   the host once per transformer call by the processors' pre-hook, or None.
 """
@@ -40,11 +41,13 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
     return AttnQuantSpec.from_dict(json.loads(text)) if text else None
 
 
-@torch.library.custom_op("diffusers_trtllm::attention", mutates_args=("counts",))
+@torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
-              skip_value: torch.Tensor, counts: torch.Tensor, count: bool, backend: str, scale: float,
-              causal: bool, quant: str, per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool) -> torch.Tensor:
-    """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``; returns a tensor shaped and typed like q.
+              skip_value: torch.Tensor, count: bool, backend: str, scale: float, causal: bool, quant: str,
+              per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``. Returns ``(out, counts)``: ``out`` shaped
+    and typed like q; ``counts`` int64 ``[4]`` on q's device, this call's (skipped KV tiles, tiles, 1, 1 if the
+    backend counted tiles), zeros unless ``count``.
 
     ``valid_lengths`` (int CPU tensor ``[B]``, self-attention only): sample ``b`` attends among its first
     ``valid_lengths[b]`` tokens only (HunyuanVideo's joint sequence with padded text); the other rows are 0.
@@ -59,21 +62,58 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
     plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor, quant=decode_quant(quant),
                       tile=(tile_q, tile_kv), count_skips=count)
     result = run_backend(backend, qkv, plan)
+    counts = torch.zeros(4, dtype=torch.int64, device=q.device)
     if count:
-        counts[2] += 1
+        counts[2] = 1  # fills on the device: no copy from the host
         if result.skipped_tiles is not None:
-            counts[0] += result.skipped_tiles
-            counts[1] += result.total_tiles
-            counts[3] += 1
+            counts[0] = result.skipped_tiles
+            counts[1] = result.total_tiles
+            counts[3] = 1
     if rows is None:
-        return result.out.view(q.shape)
-    return q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape)
+        return result.out.view(q.shape), counts
+    return q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape), counts
 
 
 @attention.register_fake
-def _(q, k, v, valid_lengths, skip_value, counts, count, backend, scale, causal, quant, per_kv_len, tile_q,
-      tile_kv, planned):
-    return torch.empty_like(q)
+def _(q, k, v, valid_lengths, skip_value, count, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv,
+      planned):
+    return torch.empty_like(q), q.new_empty(4, dtype=torch.int64)
+
+
+def _setup_backward(ctx, inputs, output) -> None:
+    q, k, v, valid_lengths = inputs[:4]
+    ctx.scale, ctx.causal = inputs[7], inputs[8]
+    ctx.valid_lengths = valid_lengths
+    ctx.save_for_backward(q, k, v)
+
+
+def _backward(ctx, grad_out, grad_counts):
+    """Dense attention's gradient, recomputed with SDPA: straight-through for Skip-Softmax and SAGE (what they
+    approximate), and exact for dense backends. For fine-tuning and tests; inference never calls it."""
+    q, k, v = ctx.saved_tensors
+    with torch.enable_grad():
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = dense_attention(*inputs, ctx.valid_lengths, ctx.scale, ctx.causal)
+        grads = torch.autograd.grad(out, inputs, grad_out)
+    return (*grads,) + (None,) * 11
+
+
+def dense_attention(q, k, v, valid_lengths, scale: float, causal: bool) -> torch.Tensor:
+    """``[B, S, H, D]`` dense attention with SDPA, each sample among its valid prefix (0 elsewhere)."""
+    mask = None
+    if valid_lengths is not None:
+        positions = torch.arange(q.shape[1], device=q.device)
+        valid = positions[None, :] < valid_lengths.to(q.device)[:, None]  # [B, S]
+        mask = (valid[:, None, :, None] & valid[:, None, None, :])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal and mask is None,
+        scale=scale, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+    if valid_lengths is not None:
+        out = torch.where(valid[:, :, None, None], out, 0.0)
+    return out
+
+
+attention.register_autograd(_backward, setup_context=_setup_backward)
 
 
 def packed_problem(q, k, v, valid_lengths) -> tuple[VarlenQKV, torch.Tensor | None]:

@@ -84,7 +84,7 @@ def test_incompatible_calls_raise():
     set_dispatch_config({"default": {"backend": "TORCH_REFERENCE"}})
     with pytest.raises(ValueError, match="takes no attn_mask .*shaped \\(1, 1, 8, 8\\).*'native'"):
         attention_call(attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
-    with pytest.raises(ValueError, match="inference only \\(dropout_p=0.1\\)"):
+    with pytest.raises(ValueError, match="has no dropout \\(dropout_p=0.1\\)"):
         attention_call(dropout_p=0.1)
     with pytest.raises(ValueError, match="does not return the log-sum-exp"):  # diffusers' ring attention asks
         q = torch.randn(1, 8, 2, 16)

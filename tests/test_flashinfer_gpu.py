@@ -111,11 +111,11 @@ def test_skip_decisions_follow_the_reference_tiles(trtllm_gpu):
 def test_auto_picks_trtllm_for_every_non_causal_shape(trtllm_gpu):
     plan = KernelPlan(AUTO, SCALE)
     self_attn = VarlenQKV(randn(1024, 8, 128), randn(1024, 8, 128), randn(1024, 8, 128), (1024,), (1024,))
-    assert select_backend(AUTO, plan, self_attn)[0] == TRTLLM_ATTN
+    assert select_backend(AUTO, plan, self_attn).name == TRTLLM_ATTN
     cross = VarlenQKV(randn(1024, 8, 128), randn(512, 8, 128), randn(512, 8, 128), (1024,), (512,))
-    assert select_backend(AUTO, plan, cross)[0] == TRTLLM_ATTN
+    assert select_backend(AUTO, plan, cross).name == TRTLLM_ATTN
     long_context = VarlenQKV(randn(512, 8, 128), randn(1024, 8, 128), randn(1024, 8, 128), (512,), (1024,))
-    assert select_backend(AUTO, plan, long_context)[0] == TRTLLM_ATTN
+    assert select_backend(AUTO, plan, long_context).name == TRTLLM_ATTN
 
 
 def test_warmup_is_quick_once_built():

@@ -142,8 +142,6 @@ def test_memory_stays_flat_over_a_thousand_calls():
     assert growth < 64 * 1024, f"{growth} bytes more after 900 calls"
 
 
-@pytest.mark.xfail(strict=True, reason="the TRTLLM_ATTN seam (backends/base.py get_backend) accepts every plan, "
-                                       "causal included, so install does not refuse und_causal with the seam on")
 def test_cosmos3_explicit_trtllm_default_refuses_the_causal_stream_at_install(monkeypatch):
     monkeypatch.setenv(TRTLLM_ON_REFERENCE_ENV, "1")
     with pytest.raises(BackendUnavailableError, match=r"und_causal attention.*Fix: .*'und_causal'.*auto"):

@@ -182,8 +182,16 @@ def register_backend(name: str, runner, check, priority: int = 0) -> FunctionBac
 def get_backend(name: str) -> FunctionBackend:
     backend = _REGISTRY[name]
     if name == "TRTLLM_ATTN" and os.environ.get(TRTLLM_ON_REFERENCE_ENV) == "1":
-        return FunctionBackend(name, lambda plan, qkv: None, _REGISTRY["TORCH_REFERENCE"].runner, backend.priority)
+        return FunctionBackend(name, _simulated_trtllm_reason, _REGISTRY["TORCH_REFERENCE"].runner, backend.priority)
     return backend
+
+
+def _simulated_trtllm_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+    """What the seam keeps of TRTLLM_ATTN's limits on any device: its kernels run non-causal attention only (the
+    GPU, dtype and head_dim limits are what the seam lifts)."""
+    if plan.causal:
+        return "TRTLLM_ATTN runs non-causal attention only (test seam: computed with TORCH_REFERENCE)"
+    return None
 
 
 def registered_backends() -> list[FunctionBackend]:

@@ -264,8 +264,9 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     """Attention over already-quantized Q, K, V (from :func:`sage_quantize` of the same batch).
 
     ``seqlens_q`` / ``seqlens_kv``: per-sequence lengths (host ints; they size the launch and the tile count).
-    Returns ``(out [Tq, Hq, 128] out_dtype, skipped, total)``: with ``count_skips`` and skipping, 0-dim int64
-    device tensors counting (head, query tile, KV tile) triples of ``skip_tile`` (no host sync); else ``None``.
+    Returns ``(out [Tq, Hq, 128] out_dtype, skipped, total)``: with ``count_skips`` and skipping, the skipped
+    (head, query tile, KV tile) triples of ``skip_tile`` as a 0-dim int64 device tensor (no host sync) and their
+    total as a host int; else ``None``.
     Skipping (``skip_factor > 0``, λ_i = skip_factor / kv_len_i) decides per kernel tile, which is
     ``skip_tile``; ``launch`` overrides the tile shape and schedule (with skipping its tile must equal
     ``skip_tile``).
@@ -298,7 +299,7 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
         return out, None, None
     tq, tk = skip_tile  # the reference's count, also when a dense launch used another tile
     total = heads_q * sum(-(-nq // tq) * -(-nkv // tk) for nq, nkv in zip(seqlens_q, seqlens_kv))
-    return out, skipped.to(torch.int64), torch.tensor(total, dtype=torch.int64, device=q.device)
+    return out, skipped.to(torch.int64), total  # the total is known on the host: no copy to the device
 
 
 def triton_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
