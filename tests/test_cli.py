@@ -163,12 +163,12 @@ def test_trtllm_attn_on_a_cpu_names_the_missing_gpu(monkeypatch):
 def test_a_processor_of_another_model_is_refused_by_name():
     wan = tiny_wan()
     wan.set_attn_processor(HunyuanVideo15TrtllmAttnProcessor(AttentionConfig()))
-    with pytest.raises(TypeError, match=r"HunyuanVideo15TrtllmAttnProcessor serves .*HunyuanVideo15Transformer3DModel"
-                                        r".* called on a WanAttention"):
+    with pytest.raises(TypeError, match=r"HunyuanVideo15TrtllmAttnProcessor is made for HunyuanVideo15Transformer3DModel"
+                                        r".* called on a WanAttention; its processor is WanTrtllmAttnProcessor"):
         wan(**wan_inputs(batch=1))
     hunyuan = tiny_hunyuan_video15_transformer()
     hunyuan.set_attn_processor(WanTrtllmAttnProcessor(AttentionConfig()))
-    with pytest.raises(TypeError, match=r"WanTrtllmAttnProcessor serves .*WanTransformer3DModel.* called on a "
+    with pytest.raises(TypeError, match=r"WanTrtllmAttnProcessor is made for WanTransformer3DModel.* called on an? "
                                         r"Attention"):
         hunyuan(**transformer_inputs())
 
