@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from diffusers_trtllm.tiny_pipelines import TINY_TEXT_DIM, TINY_TEXT_LEN, tiny_wan_transformer
+from diffusers_trtllm.tiny_pipelines import TINY_TEXT_DIM, TINY_TEXT_LEN, tiny_cosmos3_pipeline, tiny_wan_transformer
 
 I2V_IMAGE_DIM = 24
 I2V_IMAGE_TOKENS = 257
@@ -49,3 +49,17 @@ def load_script(relative: str):
     sys.modules[name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
     return module
+
+
+def cosmos3_transformer_call():
+    """The tiny Cosmos 3 transformer and the keyword arguments its pipeline passes it (the packed inputs are
+    easiest to get from the pipeline itself)."""
+    pipe = tiny_cosmos3_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    captured = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: captured.append(kw) if not captured else None,
+                                                      with_kwargs=True)
+    pipe("a fox", height=32, width=32, num_frames=1, num_inference_steps=1, output_type="latent",
+         generator=torch.Generator().manual_seed(0))
+    hook.remove()
+    return pipe.transformer, captured[0]

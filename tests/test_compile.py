@@ -17,10 +17,9 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 
 from diffusers_trtllm import enable_trtllm_attention
-from diffusers_trtllm.tiny_pipelines import (tiny_cosmos3_pipeline, tiny_hunyuan_video15_transformer,
-                                             tiny_wan22_pipeline)
+from diffusers_trtllm.tiny_pipelines import tiny_hunyuan_video15_transformer, tiny_wan22_pipeline
 
-from helpers import max_rel_err, tiny_wan, wan_inputs
+from helpers import cosmos3_transformer_call, max_rel_err, tiny_wan, wan_inputs
 from test_hunyuan_video15 import transformer_inputs as hunyuan_inputs
 
 COMPILE_TOLERANCE = 1e-4
@@ -35,17 +34,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def cosmos3_call():
-    """The tiny Cosmos 3 transformer and the keyword arguments its pipeline passes it (the packed inputs are
-    easiest to get from the pipeline itself)."""
-    pipe = tiny_cosmos3_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    captured = []
-    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: captured.append(kw) if not captured else None,
-                                                      with_kwargs=True)
-    pipe("a fox", height=32, width=32, num_frames=1, num_inference_steps=1, output_type="latent",
-         generator=torch.Generator().manual_seed(0))
-    hook.remove()
-    return pipe.transformer, captured[0]
+    return cosmos3_transformer_call()
 
 
 def model_call(name, cosmos3_call):

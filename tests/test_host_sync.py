@@ -35,9 +35,9 @@ from diffusers_trtllm.ops import attention, packed_problem
 from diffusers_trtllm.plan import CallPlanner
 from diffusers_trtllm.stats import AttentionStats
 from diffusers_trtllm.steps import DenoisingClock
-from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_pipeline, tiny_hunyuan_video15_transformer
+from diffusers_trtllm.tiny_pipelines import tiny_hunyuan_video15_transformer
 
-from helpers import tiny_wan, wan_inputs
+from helpers import cosmos3_transformer_call, tiny_wan, wan_inputs
 from test_hunyuan_video15 import transformer_inputs as hunyuan_inputs
 
 PACKAGE_DIR = "/diffusers_trtllm/"
@@ -160,15 +160,7 @@ def test_the_detector_counts_package_reads_only_and_spares_exempt_tensors():
 
 @pytest.fixture(scope="module")
 def cosmos3_call():
-    pipe = tiny_cosmos3_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    captured = []
-    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: captured.append(kw) if not captured else None,
-                                                      with_kwargs=True)
-    pipe("a fox", height=32, width=32, num_frames=1, num_inference_steps=1, output_type="latent",
-         generator=torch.Generator().manual_seed(0))
-    hook.remove()
-    return pipe.transformer, captured[0]
+    return cosmos3_transformer_call()
 
 
 CONFIGS = {

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from diffusers_trtllm.backends import run_backend
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.backends.reference import reference_attention
-from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.quant import SageSemantics, quantize_blocks, quantize_sequence
 
 from helpers import rel_err
