@@ -67,10 +67,8 @@ def set_dispatch_config(config: AttentionConfig | dict | str | None) -> None:
             "skip_softmax.disabled_until_timestep and target_sparsity need the pipeline's timestep and "
             "calibration (enable_trtllm_attention); set_dispatch_config takes skip_softmax.threshold only")
     spec = config.default
-    call = AttentionCall(CallSite("*", "*", "attention", "*"), "default", spec.backend, False, spec.quant, skip,
-                         planned=False)
-    call.skip_value.fill_(call.step_value(None))
-    _DEFAULT_CALL[:] = [call]
+    _DEFAULT_CALL[:] = [AttentionCall.unplanned(CallSite("*", "*", "attention", "*"), "default", spec.backend, False,
+                                                spec.quant, skip)]
 
 
 _DEFAULT_CALL: list[AttentionCall] = []  # the one call of set_dispatch_config, replaced as a whole

@@ -92,6 +92,15 @@ class AttentionCall:
         # λ is given (``threshold``): the op multiplies it by the call's longest key length.
         self.per_kv_len = self.skip is not None and self.skip.threshold is not None
 
+    @classmethod
+    def unplanned(cls, site: CallSite, spec_key: str, backend: str, causal: bool, quant: AttnQuantSpec | None,
+                  skip: SkipSoftmaxSpec | None) -> "AttentionCall":
+        """A call not planned at install (its backend is checked or chosen by the op at the first call), with no
+        timestep: its skip value is set once, here."""
+        call = cls(site, spec_key, backend, causal, quant, skip, planned=False)
+        call.skip_value.fill_(call.step_value(None))
+        return call
+
     def mode(self, skipping: bool) -> str:
         """Short name of what runs: ``dense``, ``skip``, ``sage-int8``, ``sage-fp8_e4m3+skip``..."""
         parts = [f"sage-{self.quant.dtype_qk}"] if self.quant is not None else []
@@ -134,9 +143,6 @@ class CallPlanner:
     def add_site(self, site: CallSite, traits: RoleTraits, layout: HeadLayout) -> None:
         self.traits[site] = traits
         self.layouts[site] = layout
-
-    def call(self, site: CallSite) -> AttentionCall:
-        return self.calls[site]
 
     def choose_backends(self, device: torch.device, dtype: torch.dtype) -> None:
         """Resolve every site's spec and backend for ``device`` / ``dtype``; raise for an explicit choice that

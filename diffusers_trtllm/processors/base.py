@@ -82,10 +82,9 @@ class TrtllmAttnProcessor:
                     f"{role}: skip_softmax.disabled_until_timestep / target_sparsity need the pipeline's timestep "
                     f"and the transformer's calibration, which {cls.__name__} alone does not see: install with "
                     "diffusers_trtllm.enable_trtllm_attention(pipe, config), or set skip_softmax.threshold only")
-            call = AttentionCall(CallSite("transformer", "*", role, traits.category), key, spec.backend,
-                                 traits.causal, spec.quant if traits.quant_ok else None, skip, planned=False)
-            call.skip_value.fill_(call.step_value(None))
-            calls[role] = call
+            calls[role] = AttentionCall.unplanned(CallSite("transformer", "*", role, traits.category), key,
+                                                  spec.backend, traits.causal, spec.quant if traits.quant_ok else None,
+                                                  skip)
         return calls
 
     def announce(self, *roles: str, valid_lengths: torch.Tensor | None = None) -> None:
