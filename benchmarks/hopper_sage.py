@@ -100,7 +100,28 @@ def cu(lengths, device="cuda") -> torch.Tensor:
 
 def fmha_sage(q, k, v, lengths, kernel, factor=0.0):
     return fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu(lengths), tuple(lengths), SCALE, k_block=kernel.k_block,
-                                               kv_step=kernel.kv_step, skip_factor=factor)
+                                               schedule=kernel.schedule, skip_factor=factor)
+
+
+def sage_name(kernel) -> str:
+    """Row name of an FMHAv2 SAGE kernel: K block, KV step and a schedule other than FlashInfer's."""
+    name = f"FMHAv2 SAGE fp8 k{kernel.k_block} step{kernel.kv_step}"
+    if kernel.kv_buffers != fmha_v2_sage.DEFAULT_SCHEDULE[1]:
+        name += f" buf{kernel.kv_buffers}"
+    return name if kernel.mutex else name + " no-mutex"
+
+
+def flash_attention_4():
+    """FlashAttention-4's bf16 forward (flash-attn-4, CuTe DSL), or None when it is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+
+    def run(q, k, v):
+        result = flash_attn_func(q[None], k[None], v[None], softmax_scale=SCALE)
+        return (result[0] if isinstance(result, tuple) else result)[0]
+    return run
 
 
 def triton(q, k, v, dtype_qk, factor=0.0):
@@ -169,7 +190,8 @@ def accuracy() -> None:
                 exacts.append(reference_attention(qq[rows].float(), kk[rows].float(), vv[rows].float(), SCALE,
                                                   query_chunk=4096)[0])
                 skipped, total = skipped + s, total + t
-            log("accuracy", data=name, k_block=kernel.k_block, kv_step=kernel.kv_step, skip_factor=factor,
+            log("accuracy", data=name, kernel=sage_name(kernel), k_block=kernel.k_block, kv_step=kernel.kv_step,
+                skip_factor=factor,
                 finite=bool(torch.isfinite(out).all()), err_vs_same_semantics=rel_err(out, torch.cat(refs)),
                 err_vs_exact=rel_err(out, torch.cat(exacts)), ref_sparsity=skipped / total if factor else 0.0)
 
@@ -190,41 +212,45 @@ def wan_speed(tokens: int, heads: int) -> dict:
             log("wan", kernel=name, error=traceback.format_exc()[-2000:])
 
     row("cuDNN SDPA", lambda: sdpa(q, k, v))
+    fa4 = flash_attention_4()
+    if fa4 is None:
+        log("wan", kernel="FlashAttention-4 bf16", error="flash_attn.cute is not importable")
+    else:
+        row("FlashAttention-4 bf16", lambda: fa4(q, k, v))
     row("FMHAv2 bf16", lambda: fmha_bf16(q, k, v))
+    kernels = {}
     for kernel in fmha_v2_sage.sage_kernels():
         if not kernel.skip_softmax:
-            row(f"FMHAv2 SAGE fp8 k{kernel.k_block} step{kernel.kv_step}", lambda: fmha_sage(q, k, v, (tokens,), kernel),
-                k_block=kernel.k_block, kv_step=kernel.kv_step)
-    best = min((n for n in times if n.startswith("FMHAv2 SAGE")), key=times.get)
-    kernel = next(k for k in fmha_v2_sage.sage_kernels()
-                  if not k.skip_softmax and best == f"FMHAv2 SAGE fp8 k{k.k_block} step{k.kv_step}")
+            kernels[sage_name(kernel)] = kernel
+            row(sage_name(kernel), lambda: fmha_sage(q, k, v, (tokens,), kernel), k_block=kernel.k_block,
+                kv_step=kernel.kv_step, kv_buffers=kernel.kv_buffers, mutex=kernel.mutex)
+    best = min((n for n in times if n in kernels), key=times.get)
+    kernel = kernels[best]
     packed = fmha_v2_sage.sage_quantize_packed(q, k, v, cu([tokens]), tokens, kernel.k_block)
     log("wan", kernel=f"{best}: quantization only", ms=bench_ms(
         lambda: fmha_v2_sage.sage_quantize_packed(q, k, v, cu([tokens]), tokens, kernel.k_block)))
     log("wan", kernel=f"{best}: attention only", ms=bench_ms(lambda: fmha_v2_sage.sage_attention_packed(
-        packed, cu([tokens]), (tokens,), heads, SCALE, 0.0, kernel.kv_step)))
+        packed, cu([tokens]), (tokens,), heads, SCALE, 0.0, kernel.schedule)))
     for dtype in ("fp8_e4m3", "int8"):
         row(f"Triton SAGE {dtype}", lambda: triton(q, k, v, dtype))
-    try:
-        from flash_attn.cute import flash_attn_func  # FlashAttention-4 (flash-attn-4, CuTe DSL)
-
-        row("FlashAttention-4 bf16", lambda: flash_attn_func(q[None], k[None], v[None], softmax_scale=SCALE)[0][0])
-    except ImportError as exc:
-        log("wan", kernel="FlashAttention-4 bf16", error=f"not importable: {exc}")
     return times
 
 
-def skip_curve(tokens: int, heads: int, cudnn_ms: float) -> None:
-    q, k, v = published_curve_qkv(tokens, heads)
+def skip_curve(tokens: int, heads: int, cudnn_ms: float, data_tile: int = 128) -> None:
+    """``data_tile``: keys per logit offset of the curve data (128: the calibration tile; 256: structure as coarse
+    as the 256-key KV step, both reproduce the curve at 128 × 128)."""
+    section = "curve" if data_tile == 128 else f"curve{data_tile}"
+    q, k, v = published_curve_qkv(tokens, heads, tile=data_tile)
     skip_kernels = [kr for kr in fmha_v2_sage.sage_kernels() if kr.skip_softmax and kr.k_block in (0, 64)]
     dense = {"FMHAv2 bf16": fmha_bf16(q, k, v)[:, :ERROR_HEADS].float(),
              "Triton SAGE int8": triton(q, k, v, "int8")[:, :ERROR_HEADS].float(),
              "FMHAv2 SAGE fp8": fmha_sage(q, k, v, (tokens,), skip_kernels[0])[:, :ERROR_HEADS].float()}
     for kr in skip_kernels:
-        log("curve", kernel=f"FMHAv2 SAGE fp8 k{kr.k_block} step{kr.kv_step} dense (this data)",
-            ms=bench_ms(lambda kr=kr: fmha_sage(q, k, v, (tokens,), kr)))
+        dense_kernel = fmha_v2_sage.SageKernel(kr.k_block, kr.kv_step, False, kr.kv_buffers, kr.mutex)
+        log(section, kernel=f"{sage_name(kr)} dense (this data)",
+            ms=bench_ms(lambda kr=dense_kernel: fmha_sage(q, k, v, (tokens,), kr)))
     cudnn_here = bench_ms(lambda: sdpa(q, k, v))
-    log("curve", kernel="cuDNN SDPA (this data)", ms=cudnn_here)
+    log(section, kernel="cuDNN SDPA (this data)", ms=cudnn_here)
     for s in SPARSITIES:
         factor = skip_factor(s)
         sparsity = {}
@@ -233,30 +259,33 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float) -> None:
                                                     v[:, :ERROR_HEADS].float(), SCALE, skip_lambda=factor / tokens,
                                                     tile=tile, query_chunk=8192)
             sparsity[f"{tile[0]}x{tile[1]}"] = skipped / total
-        log("curve", s=s, factor=factor, reference_sparsity=sparsity)
+        log(section, s=s, factor=factor, reference_sparsity=sparsity)
         runs = [("FMHAv2 bf16 + skip", "FMHAv2 bf16", lambda: fmha_bf16(q, k, v, factor)),
                 ("Triton SAGE int8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "int8", factor)),
                 ("Triton SAGE fp8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "fp8_e4m3", factor))]
-        runs += [(f"FMHAv2 SAGE fp8 k{kr.k_block} step{kr.kv_step} + skip", "FMHAv2 SAGE fp8",
+        runs += [(f"{sage_name(kr)} + skip", "FMHAv2 SAGE fp8",
                   lambda kr=kr: fmha_sage(q, k, v, (tokens,), kr, factor)) for kr in skip_kernels]
+        if data_tile != 128:  # the Triton rows are the 128-key data's
+            runs = [r for r in runs if not r[0].startswith("Triton")]
         for name, dense_name, fn in runs:
             try:
                 ms = bench_ms(fn)
-                log("curve", s=s, kernel=name, ms=ms, x_cudnn=cudnn_ms / ms, x_cudnn_this_data=cudnn_here / ms,
+                log(section, s=s, kernel=name, ms=ms, x_cudnn=cudnn_ms / ms, x_cudnn_this_data=cudnn_here / ms,
                     err_vs_own_dense=rel_err(fn()[:, :ERROR_HEADS], dense[dense_name]))
             except Exception:  # noqa: BLE001
-                log("curve", s=s, kernel=name, error=traceback.format_exc()[-2000:])
+                log(section, s=s, kernel=name, error=traceback.format_exc()[-2000:])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
-    parser.add_argument("--sections", default="accuracy,wan,curve", help="comma-separated: accuracy, wan, curve")
+    parser.add_argument("--sections", default="accuracy,wan,curve,curve256",
+                        help="comma-separated: accuracy, wan, curve, curve256")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    unknown = sections - {"accuracy", "wan", "curve"}
+    unknown = sections - {"accuracy", "wan", "curve", "curve256"}
     if unknown:
-        parser.error(f"--sections: unknown section(s) {sorted(unknown)}; valid: accuracy, wan, curve")
+        parser.error(f"--sections: unknown section(s) {sorted(unknown)}; valid: accuracy, wan, curve, curve256")
     tokens, heads = (8192, 8) if args.quick else (75600, 40)
     import flashinfer
 
@@ -274,6 +303,8 @@ def main() -> None:
         del q, k, v
     if "curve" in sections:
         skip_curve(tokens, heads, cudnn_ms)
+    if "curve256" in sections:
+        skip_curve(tokens, heads, cudnn_ms, data_tile=256)
 
 
 if __name__ == "__main__":
