@@ -5,7 +5,7 @@ flag                                   environment variable                    m
 =====================================  ======================================  =================================
 ``--diffusion-attention-backend``      ``DIFFUSION_ATTENTION_BACKEND``         backend of the default spec
 ``--diffusion-attention-config``       ``DIFFUSION_ATTENTION_CONFIG``          full JSON config
-``--trtllm-gen-sage``                  ``TRTLLM_GEN_SAGE=1``                   FP8 SAGE (q block 1, k block 16)
+``--trtllm-gen-sage``                  ``TRTLLM_GEN_SAGE=1``                   FP8 SAGE, the GPU's fastest kernel
 ``--trtllm-gen-target-sparsity``       ``TRTLLM_GEN_TARGET_SPARSITY``          Skip-Softmax target (calibrated)
 ``--trtllm-gen-disabled-until-timestep``  ``TRTLLM_GEN_DISABLED_UNTIL_TIMESTEP``  keep steps with t > D dense
 =====================================  ======================================  =================================
@@ -37,7 +37,8 @@ FLAGS = {  # dest -> (flag, environment variable)
     "trtllm_gen_disabled_until_timestep": ("--trtllm-gen-disabled-until-timestep",
                                            "TRTLLM_GEN_DISABLED_UNTIL_TIMESTEP"),
 }
-SAGE_PRESET = AttnQuantSpec(dtype_qk="fp8_e4m3", q_block_size=1, k_block_size=16)
+# No block sizes: the GPU's fastest FP8 SAGE kernel, logged once (backends.trtllm.sage_semantics).
+SAGE_PRESET = AttnQuantSpec(dtype_qk="fp8_e4m3")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -49,7 +50,7 @@ def add_attention_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument(FLAGS["diffusion_attention_config"][0], default=None, metavar="JSON",
                        help='e.g. {"default":{"backend":"TRTLLM_ATTN","skip_softmax":{"target_sparsity":0.65}}}')
     group.add_argument(FLAGS["trtllm_gen_sage"][0], action="store_true", default=None,
-                       help="FP8 SAGE quantization (q block 1, k block 16)")
+                       help="FP8 SAGE quantization on the GPU's fastest kernel (block sizes unset; logged once)")
     group.add_argument(FLAGS["trtllm_gen_target_sparsity"][0], type=float, default=None, metavar="S",
                        help="Skip-Softmax target sparsity in [0, 1] (needs a calibrated checkpoint)")
     group.add_argument(FLAGS["trtllm_gen_disabled_until_timestep"][0], type=float, default=None, metavar="D",
@@ -112,9 +113,10 @@ def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[st
                 f"({', '.join(FEATURE_BACKENDS)}); the backend is {default.backend} (dense only)")
         quant, skip = default.quant, default.skip_softmax
         if "trtllm_gen_sage" in shortcuts:
-            if quant is not None and quant != SAGE_PRESET:
-                raise AttentionConfigError(f"--trtllm-gen-sage contradicts the config's quant {quant}")
-            quant = SAGE_PRESET
+            # A config's own FP8 SAGE (block sizes given) refines the flag; another dtype contradicts it.
+            if quant is not None and quant.dtype_qk != SAGE_PRESET.dtype_qk:
+                raise AttentionConfigError(f"--trtllm-gen-sage (FP8 SAGE) contradicts the config's quant {quant}")
+            quant = quant or SAGE_PRESET
         skip_fields = {"target_sparsity": shortcuts.get("trtllm_gen_target_sparsity"),
                        "disabled_until_timestep": shortcuts.get("trtllm_gen_disabled_until_timestep")}
         skip_fields = {k: v for k, v in skip_fields.items() if v is not None}

@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
               f"{args.device}; prompt: {args.prompt!r}",
               f"- TRT-LLM configurations on {backend} in {str(dtype).removeprefix('torch.')} (rows named "
               f"'{backend_label(backend)} ...'); Skip-Softmax {skip_text}; SAGE {args.sage_dtype} "
-              f"(q block 1, k block 16); roles kept on TORCH_SDPA: {list(entry.sdpa_roles) or 'none'}",
+              f"(block sizes unset: the GPU's fastest kernel); roles kept on TORCH_SDPA: {list(entry.sdpa_roles) or 'none'}",
               f"- quality: {quality}; speed-ups are reference time / configuration time, shown only for rows that "
               f"ran real kernels ({NO_SPEEDUP_NOTE}); sparsity = skipped / all KV tiles where the backend counts "
               "them (n/a: not counted, e.g. FlashInfer's kernels)",

@@ -120,7 +120,7 @@ def shortcut_config(argv, environ=None) -> AttentionSpec:
     return config_from_args(args, environ or {}).default
 
 
-SAGE = AttnQuantSpec("fp8_e4m3", 1, 16)
+SAGE = AttnQuantSpec("fp8_e4m3")
 
 
 def test_shortcuts_without_a_backend_imply_trtllm_attn():

@@ -201,7 +201,10 @@ def test_cli_flags_build_the_design_document_configs():
     assert parse(["--diffusion-attention-backend", "trtllm-gen"]).default == AttentionSpec("TRTLLM_ATTN")
     sage_skip = parse(["--diffusion-attention-backend", "trtllm-gen", "--trtllm-gen-sage",
                        "--trtllm-gen-target-sparsity", "0.5", "--trtllm-gen-disabled-until-timestep", "0.6"]).default
-    assert sage_skip.quant == AttnQuantSpec("fp8_e4m3", 1, 16)
+    assert sage_skip.quant == AttnQuantSpec("fp8_e4m3")  # blocks unset: the GPU's fastest kernel
+    # A config's FP8 SAGE with block sizes refines the flag.
+    assert parse(["--diffusion-attention-config", GUIDE_SAGE_JSON, "--trtllm-gen-sage"]).default.quant == \
+        AttnQuantSpec("fp8_e4m3", 1, 16)
     assert sage_skip.skip_softmax == SkipSoftmaxSpec(target_sparsity=0.5, disabled_until_timestep=0.6)
     assert parse(["--diffusion-attention-config", GUIDE_SKIP_JSON]) == AttentionConfig.from_json(GUIDE_SKIP_JSON)
 
