@@ -100,15 +100,11 @@ def cu(lengths, device="cuda") -> torch.Tensor:
 
 def fmha_sage(q, k, v, lengths, kernel, factor=0.0):
     return fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu(lengths), tuple(lengths), SCALE, k_block=kernel.k_block,
-                                               schedule=kernel.schedule, skip_factor=factor)
+                                               kv_step=kernel.kv_step, skip_factor=factor)
 
 
 def sage_name(kernel) -> str:
-    """Row name of an FMHAv2 SAGE kernel: K block, KV step and a schedule other than FlashInfer's."""
-    name = f"FMHAv2 SAGE fp8 k{kernel.k_block} step{kernel.kv_step}"
-    if kernel.kv_buffers != fmha_v2_sage.DEFAULT_SCHEDULE[1]:
-        name += f" buf{kernel.kv_buffers}"
-    return name if kernel.mutex else name + " no-mutex"
+    return f"FMHAv2 SAGE fp8 k{kernel.k_block} step{kernel.kv_step}"
 
 
 def flash_attention_4():
@@ -193,7 +189,7 @@ def accuracy() -> None:
             log("accuracy", data=name, kernel=sage_name(kernel), k_block=kernel.k_block, kv_step=kernel.kv_step,
                 skip_factor=factor,
                 finite=bool(torch.isfinite(out).all()), err_vs_same_semantics=rel_err(out, torch.cat(refs)),
-                err_vs_exact=rel_err(out, torch.cat(exacts)), ref_sparsity=skipped / total if factor else 0.0)
+                err_vs_exact=rel_err(out, torch.cat(exacts)), ref_sparsity=float(skipped) / float(total) if factor else 0.0)
 
 
 def wan_speed(tokens: int, heads: int) -> dict:
@@ -223,14 +219,14 @@ def wan_speed(tokens: int, heads: int) -> dict:
         if not kernel.skip_softmax:
             kernels[sage_name(kernel)] = kernel
             row(sage_name(kernel), lambda: fmha_sage(q, k, v, (tokens,), kernel), k_block=kernel.k_block,
-                kv_step=kernel.kv_step, kv_buffers=kernel.kv_buffers, mutex=kernel.mutex)
+                kv_step=kernel.kv_step)
     best = min((n for n in times if n in kernels), key=times.get)
     kernel = kernels[best]
     packed = fmha_v2_sage.sage_quantize_packed(q, k, v, cu([tokens]), tokens, kernel.k_block)
     log("wan", kernel=f"{best}: quantization only", ms=bench_ms(
         lambda: fmha_v2_sage.sage_quantize_packed(q, k, v, cu([tokens]), tokens, kernel.k_block)))
     log("wan", kernel=f"{best}: attention only", ms=bench_ms(lambda: fmha_v2_sage.sage_attention_packed(
-        packed, cu([tokens]), (tokens,), heads, SCALE, 0.0, kernel.schedule)))
+        packed, cu([tokens]), (tokens,), heads, SCALE, 0.0, kernel.kv_step)))
     for dtype in ("fp8_e4m3", "int8"):
         row(f"Triton SAGE {dtype}", lambda: triton(q, k, v, dtype))
     return times
@@ -246,7 +242,7 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float, data_tile: int = 128) -
              "Triton SAGE int8": triton(q, k, v, "int8")[:, :ERROR_HEADS].float(),
              "FMHAv2 SAGE fp8": fmha_sage(q, k, v, (tokens,), skip_kernels[0])[:, :ERROR_HEADS].float()}
     for kr in skip_kernels:
-        dense_kernel = fmha_v2_sage.SageKernel(kr.k_block, kr.kv_step, False, kr.kv_buffers, kr.mutex)
+        dense_kernel = fmha_v2_sage.SageKernel(kr.k_block, kr.kv_step, False)
         log(section, kernel=f"{sage_name(kr)} dense (this data)",
             ms=bench_ms(lambda kr=dense_kernel: fmha_sage(q, k, v, (tokens,), kr)))
     cudnn_here = bench_ms(lambda: sdpa(q, k, v))
@@ -258,7 +254,7 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float, data_tile: int = 128) -
             _, skipped, total = reference_attention(q[:, :ERROR_HEADS].float(), k[:, :ERROR_HEADS].float(),
                                                     v[:, :ERROR_HEADS].float(), SCALE, skip_lambda=factor / tokens,
                                                     tile=tile, query_chunk=8192)
-            sparsity[f"{tile[0]}x{tile[1]}"] = skipped / total
+            sparsity[f"{tile[0]}x{tile[1]}"] = float(skipped) / float(total)
         log(section, s=s, factor=factor, reference_sparsity=sparsity)
         runs = [("FMHAv2 bf16 + skip", "FMHAv2 bf16", lambda: fmha_bf16(q, k, v, factor)),
                 ("Triton SAGE int8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "int8", factor)),

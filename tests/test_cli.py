@@ -123,6 +123,25 @@ def shortcut_config(argv, environ=None) -> AttentionSpec:
 SAGE = AttnQuantSpec("fp8_e4m3")
 
 
+@pytest.mark.parametrize("arch,kernel,blocks", [("sm_90", "FMHAv2", (64, 0)), ("sm_100", "trtllm-gen", (1, 16)),
+                                               (None, None, (1, 16))])
+def test_trtllm_gen_sage_runs_the_gpus_fastest_fp8_kernel_and_says_which(arch, kernel, blocks, monkeypatch, caplog):
+    """The flag gives no block sizes: Hopper runs FMHAv2's warp-specialized SAGE kernel (Q block 64, one K scale
+    per sequence and head), Blackwell trtllm-gen, a machine without either the reference's portable blocks; the
+    GPU's choice is logged once."""
+    from diffusers_trtllm.backends import trtllm
+
+    quant = shortcut_config(["--trtllm-gen-sage"]).quant
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: arch)
+    trtllm._log_choice.cache_clear()
+    with caplog.at_level("WARNING", logger="diffusers_trtllm"):
+        semantics = trtllm.sage_semantics(quant, "cuda")
+        trtllm.sage_semantics(quant, "cuda")
+    assert (semantics.dtype_qk, semantics.q_block, semantics.k_block) == ("fp8_e4m3", *blocks)
+    logged = [r.getMessage() for r in caplog.records if "unset block sizes" in r.getMessage()]
+    assert len(logged) == (1 if kernel else 0) and all(kernel in m for m in logged)
+
+
 def test_shortcuts_without_a_backend_imply_trtllm_attn():
     assert shortcut_config(["--trtllm-gen-sage"]) == AttentionSpec("TRTLLM_ATTN", quant=SAGE)
     assert shortcut_config([], {"TRTLLM_GEN_TARGET_SPARSITY": "0.5"}) == AttentionSpec(

@@ -226,6 +226,6 @@ def test_sm90_sage_routes_by_dtype_blocks_and_lengths(monkeypatch, recording, qu
     assert list(seen) == [kernel] and recording.calls == []
     if kernel == "fmha_v2":
         expected = trtllm.FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
-        assert seen["fmha_v2"]["k_block"] == expected and seen["fmha_v2"]["schedule"] == trtllm.FMHA_V2_SCHEDULE
+        assert seen["fmha_v2"]["k_block"] == expected and seen["fmha_v2"]["kv_step"] == trtllm.FMHA_V2_KV_STEP
     else:
         assert (seen["triton"]["q_block"], seen["triton"]["k_block"]) == (1, 16)

@@ -57,26 +57,8 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
         assert traits.replace(" ", "").replace("\n", "").endswith(f"fmha::bf16_t,64,{k_block},0")
     header = sources["sage_kernels.h"]
     for kernel in kernels:
-        assert (f"k_block == {kernel.k_block} && kv_step == {kernel.kv_step} && kv_buffers == {kernel.kv_buffers} "
-                f"&& mutex == {str(kernel.mutex).lower()} && skip == {str(kernel.skip_softmax).lower()}") in header
-
-
-def test_schedule_variants_generate_their_buffers_and_mutex():
-    """A schedule other than FlashInfer's carries its K/V buffer count and BMM1 mutex into the kernel traits (the
-    generator's own choice, ``enable_mutex``, is restored afterwards) and gets a launcher name of its own."""
-    kernels = fmha_v2_sage.sage_kernels()
-    assert {k.schedule for k in kernels} >= {fmha_v2_sage.DEFAULT_SCHEDULE, *fmha_v2_sage.SCHEDULE_SWEEP}
-    launchers = set()
-    for kernel in kernels:
-        _, launcher, code = fmha_v2_sage.kernel_code(kernel)
-        launchers.add(launcher)
-        traits = [t.strip() for t in code[code.index("using Ktraits ="):code.index(">;")].split(",")]
-        # STEP_Q, STEP_KV, D, DV, Q_BUFFERS, KV_BUFFERS, NUM_COMPUTE_GROUPS, DMA2COMPUTE_DEPTH, mask, heads
-        # interleaved, alibi, mutex, ...
-        step_kv, kv_buffers, mutex = traits[1], traits[5], traits[11]
-        assert (int(step_kv), int(kv_buffers), mutex) == (kernel.kv_step, kernel.kv_buffers, str(kernel.mutex).lower())
-    assert len(launchers) == len(kernels)
-    assert fmha_library.enable_mutex.__module__.endswith("fmha_v2.utils")
+        assert (f"k_block == {kernel.k_block} && kv_step == {kernel.kv_step} && skip == "
+                f"{str(kernel.skip_softmax).lower()}") in header
 
 
 def test_padding_mask_only_refuses_a_changed_template():
@@ -87,8 +69,8 @@ def test_padding_mask_only_refuses_a_changed_template():
 def test_binding_arguments_match_the_python_call(monkeypatch):
     source = fmha_v2_sage.BINDING_SOURCE.read_text()
     signature = re.search(r"void sage_attention\((.*?)\) \{", source, re.S).group(1)
-    kinds = [("tensor" if "TensorView" in arg else "int" if "int64_t" in arg else "bool" if "bool" in arg
-              else "float") for arg in signature.split(",")]
+    kinds = [("tensor" if "TensorView" in arg else "int" if "int64_t" in arg else "float")
+             for arg in signature.split(",")]
     seen = []
 
     class Module:
@@ -101,11 +83,10 @@ def test_binding_arguments_match_the_python_call(monkeypatch):
                                      torch.ones(batch, heads_q, 3), torch.ones(batch, heads_q, 3),
                                      torch.full((batch, heads_kv, 128), 2.0), 64)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
-    out = fmha_v2_sage.sage_attention_packed(packed, cu, (100, 200), heads_q, SCALE, 5.0, (128, 4, False))
-    got = ["tensor" if isinstance(a, torch.Tensor) else "bool" if isinstance(a, bool) else "int"
-           if isinstance(a, int) else "float" for a in seen]
+    out = fmha_v2_sage.sage_attention_packed(packed, cu, (100, 200), heads_q, SCALE, 5.0, 256)
+    got = ["tensor" if isinstance(a, torch.Tensor) else "int" if isinstance(a, int) else "float" for a in seen]
     assert got == kinds
-    assert seen[6:] == [heads_q, heads_kv, 200, 64, 64, 128, 4, False, SCALE, 5.0]
+    assert seen[6:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
     assert out.shape == (tokens, heads_q, 128) and out.dtype == torch.bfloat16
 
 
@@ -247,7 +228,7 @@ def test_gpu_fmha_v2_sage_matches_reference_of_its_semantics(k_block, skip_facto
     _hopper()
     qkv = _peaky((1000, 3001), 8, 2)
     quant = AttnQuantSpec("fp8_e4m3", None if k_block is None else 64, k_block)
-    tile = fmha_v2_sage.skip_tile(trtllm.FMHA_V2_SCHEDULE[0])
+    tile = fmha_v2_sage.skip_tile(trtllm.FMHA_V2_KV_STEP)
     plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=quant, skip_factor=skip_factor, tile=tile)
     out = run_backend("TRTLLM_ATTN", qkv, plan).out
     ref = run_backend("TORCH_REFERENCE", qkv, plan)

@@ -75,7 +75,7 @@ PORTABLE_BLOCKS = (1, 16)  # q, k blocks for unset sizes on kernels other than F
 # blocks of 64 keys cost 12 % more time at the same error on smoothed K; 128-key steps are slower with and
 # without skipping.
 FMHA_V2_DEFAULT_K_BLOCK = 0
-FMHA_V2_SCHEDULE = fmha_v2_sage.DEFAULT_SCHEDULE
+FMHA_V2_KV_STEP = 256
 FMHA_V2_USER_K_BLOCKS = tuple(b for b in fmha_v2_sage.K_BLOCKS if b)  # 0 (per sequence) is internal only
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the
@@ -275,7 +275,7 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
         out = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), tuple(qkv.seqlens_q),
                                                   plan.scale, k_block=semantics.k_block,
-                                                  schedule=FMHA_V2_SCHEDULE, skip_factor=plan.skip_factor)
+                                                  kv_step=FMHA_V2_KV_STEP, skip_factor=plan.skip_factor)
         return KernelResult(out)
     out, skipped, total = triton_sage.triton_sage_attention(
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),

@@ -34,7 +34,6 @@ import os
 import pathlib
 import time
 from typing import NamedTuple
-from unittest import mock
 
 import torch
 
@@ -52,36 +51,18 @@ BINDING_SOURCE = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_sage.cu"
 
 @dataclasses.dataclass(frozen=True)
 class SageKernel:
-    """One generated kernel: its K scale block, keys per KV step, whether it has the Skip-Softmax code path, how
-    many K/V tiles the TMA warpgroup keeps in flight (``kv_buffers``; FlashInfer's choice for e4m3 is 2) and
-    whether the two softmax warpgroups take turns on BMM1 (``mutex``; FlashInfer's choice for e4m3 is on)."""
+    """One generated kernel: its K scale block, keys per KV step and whether it has the Skip-Softmax code path."""
 
     k_block: int
     kv_step: int
     skip_softmax: bool
-    kv_buffers: int = 2
-    mutex: bool = True
-
-    @property
-    def schedule(self) -> tuple[int, int, bool]:
-        """(keys per KV step, K/V buffers, mutex): what a caller picks besides the K block and skipping."""
-        return (self.kv_step, self.kv_buffers, self.mutex)
-
-
-# (keys per KV step, K/V buffers, BMM1 mutex) of the Skip-Softmax schedule sweep: shared memory holds two 256-key
-# or four 128-key K/V tiles (with the fp8 V-transpose scratch); one scale per sequence for K only.
-SCHEDULE_SWEEP = ((128, 4, True), (256, 2, False), (128, 4, False))
-DEFAULT_SCHEDULE = (256, 2, True)  # FlashInfer's own for e4m3, head_dim 128
 
 
 def sage_kernels() -> tuple[SageKernel, ...]:
-    """Every kernel the module builds: each compiled K block and KV step with FlashInfer's schedule, with and
-    without Skip-Softmax (K block 128 at KV step 256 only: it exists for the block-size sweep), and the schedules
-    of :data:`SCHEDULE_SWEEP` for K block 0."""
-    default = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
-                    for skip in (False, True) if not (k_block == 128 and kv_step != 256))
-    return default + tuple(SageKernel(0, kv_step, skip, buffers, mutex) for kv_step, buffers, mutex in SCHEDULE_SWEEP
-                           for skip in (False, True))
+    """Every kernel the module builds: each compiled K block and KV step, with and without Skip-Softmax (K block
+    128 at KV step 256 only: it exists for the block-size sweep)."""
+    return tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
+                 for skip in (False, True) if not (k_block == 128 and kv_step != 256))
 
 
 def skip_tile(kv_step: int) -> tuple[int, int]:
@@ -99,29 +80,7 @@ def kernel_spec(kernel: SageKernel):
     spec = generate_kernel_spec(sm=90, head_size=HEAD_DIM, dtype="e4m3", enable_skip_softmax=kernel.skip_softmax,
                                 return_softmax=False, enable_attn_logit_softcapping=False, alibi=False,
                                 input_layout=InputLayout.PACKED_QKV, output_dtype="bf16")
-    return dataclasses.replace(spec, sage_block_sizes=(Q_BLOCK, kernel.k_block, 0), kv_loop_step=kernel.kv_step,
-                               kv_tile_buffers=kernel.kv_buffers)
-
-
-def kernel_code(kernel: SageKernel) -> tuple[str, str, str]:
-    """(file name, launcher name, CUDA source) of ``kernel``. FlashInfer's names do not carry the K/V buffer count
-    or the mutex, so a schedule other than FlashInfer's gets a suffix; FlashInfer's generator decides the mutex
-    from the spec alone (``enable_mutex``), so it is overridden for this one generation."""
-    from flashinfer.jit.attention.fmha_v2 import fmha_library
-    from flashinfer.jit.attention.fmha_v2.utils import encode_name
-
-    spec = kernel_spec(kernel)
-    file_name, launcher, kernel_name = encode_name(spec)
-    suffix = "" if (kernel.kv_buffers, kernel.mutex) == (2, True) else \
-        f"_kvbuf{kernel.kv_buffers}" + ("" if kernel.mutex else "_nomutex")
-    if suffix:
-        file_name = file_name.replace(".cu", f"{suffix}.cu")
-        launcher, kernel_name = launcher + suffix, kernel_name.replace("__placeholder__", f"{suffix}__placeholder__")
-    if not hasattr(fmha_library, "enable_mutex"):
-        raise RuntimeError("FlashInfer's FMHAv2 generator changed: fmha_library.enable_mutex is gone")
-    with mock.patch.object(fmha_library, "enable_mutex", lambda _spec: "true" if kernel.mutex else "false"):
-        code = fmha_library.get_kernel_code(spec, kernel_name, launcher)
-    return file_name, launcher, padding_mask_only(code)
+    return dataclasses.replace(spec, sage_block_sizes=(Q_BLOCK, kernel.k_block, 0), kv_loop_step=kernel.kv_step)
 
 
 # FlashInfer 0.7.2's template emits a kernel per mask type (its "0"/"1" mask flags are strings, truthy either
@@ -151,12 +110,16 @@ def padding_mask_only(code: str) -> str:
 def kernel_sources() -> dict[str, str]:
     """File name -> CUDA source of every generated kernel, plus ``sage_kernels.h`` (the launchers' declarations
     and ``launch_sage_kernel``, which dispatches on q block, k block, KV step and skip-softmax)."""
+    from flashinfer.jit.attention.fmha_v2.fmha_library import get_kernel_code
+    from flashinfer.jit.attention.fmha_v2.utils import encode_name
+
     sources, declarations, branches = {}, [], []
     for kernel in sage_kernels():
-        file_name, launcher, sources[file_name] = kernel_code(kernel)
+        spec = kernel_spec(kernel)
+        file_name, launcher, kernel_name = encode_name(spec)
+        sources[file_name] = padding_mask_only(get_kernel_code(spec, kernel_name, launcher))
         declarations.append(f"void {launcher}(Params& params, const Launch_params& launch, cudaStream_t stream);")
         branches.append(f"  if (q_block == {Q_BLOCK} && k_block == {kernel.k_block} && kv_step == {kernel.kv_step} "
-                        f"&& kv_buffers == {kernel.kv_buffers} && mutex == {str(kernel.mutex).lower()} "
                         f"&& skip == {str(kernel.skip_softmax).lower()}) {{\n"
                         f"    {launcher}(params, launch, stream);\n    return true;\n  }}")
     sources["sage_kernels.h"] = "\n".join([
@@ -166,8 +129,8 @@ def kernel_sources() -> dict[str, str]:
         "using Params = bert::Fused_multihead_attention_params_v2;",
         "using Launch_params = bert::Fused_multihead_attention_launch_params;",
         *declarations,
-        "inline bool launch_sage_kernel(int q_block, int k_block, int kv_step, int kv_buffers, bool mutex, bool skip,",
-        "                               Params& params, const Launch_params& launch, cudaStream_t stream) {",
+        "inline bool launch_sage_kernel(int q_block, int k_block, int kv_step, bool skip, Params& params,",
+        "                               const Launch_params& launch, cudaStream_t stream) {",
         *branches,
         "  return false;",
         "}",
@@ -279,18 +242,15 @@ def sage_quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 
 
 def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens: tuple[int, ...], heads_q: int,
-                          scale: float, skip_factor: float = 0.0,
-                          schedule: tuple[int, int, bool] = DEFAULT_SCHEDULE) -> torch.Tensor:
+                          scale: float, skip_factor: float = 0.0, kv_step: int = 256) -> torch.Tensor:
     """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output. Returns ``[T, Hq, 128]`` bf16 with V's
-    per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i);
-    ``schedule``: a :attr:`SageKernel.schedule` of :func:`sage_kernels`."""
-    kv_step, kv_buffers, mutex = schedule
+    per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i)."""
     heads_kv = (packed.qkv.shape[1] - heads_q) // 2
     out = torch.empty(packed.qkv.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=packed.qkv.device)
     tile_counter = torch.empty(1, dtype=torch.int32, device=packed.qkv.device)  # per call: streams never share it
     load_module().sage_attention(packed.qkv, out, packed.q_scale, packed.k_scale, cu_seqlens, tile_counter,
-                                 heads_q, heads_kv, max(seqlens), Q_BLOCK, packed.k_block, kv_step, kv_buffers,
-                                 bool(mutex), float(scale), float(skip_factor))
+                                 heads_q, heads_kv, max(seqlens), Q_BLOCK, packed.k_block, kv_step, float(scale),
+                                 float(skip_factor))
     v_scale = packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1) if heads_q != heads_kv else packed.v_scale
     if len(set(seqlens)) == 1:
         out.view(len(seqlens), seqlens[0], heads_q, HEAD_DIM).mul_(v_scale[:, None])
@@ -303,8 +263,7 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
 
 
 def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           seqlens: tuple[int, ...], scale: float, *, k_block: int = 64,
-                           schedule: tuple[int, int, bool] = DEFAULT_SCHEDULE,
+                           seqlens: tuple[int, ...], scale: float, *, k_block: int = 64, kv_step: int = 256,
                            skip_factor: float = 0.0) -> torch.Tensor:
     """SAGE attention (FP8 e4m3 Q/K/V, per-block Q/K scales, per-channel V) with optional Skip-Softmax on
     Hopper through TRT-LLM FMHAv2's warp-specialized kernel; quantization included.
@@ -312,15 +271,13 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     ``q``: ``[T, Hq, 128]``, ``k``/``v``: ``[T, Hkv, 128]`` bf16 (fp16 accepted), ragged self-attention: sequence
     ``i`` owns rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of all three (``cu_seqlens`` ``[B + 1]`` int32 on the
     tensors' device; ``seqlens`` the same lengths as host ints). ``Hq % Hkv == 0``. ``scale``: softmax scale.
-    ``k_block`` / ``schedule`` (keys per KV step, K/V buffers, mutex): a pair of :func:`sage_kernels`; skip
-    decisions are per :func:`skip_tile` of the KV step.
+    ``k_block`` / ``kv_step``: a pair of :func:`sage_kernels`; skip decisions are per :func:`skip_tile`.
     Returns ``[T, Hq, 128]`` bf16. GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels
     (see :func:`load_module`).
     """
-    if not any(k.k_block == k_block and k.schedule == tuple(schedule) for k in sage_kernels()):
-        raise ValueError(f"k_block={k_block!r} with schedule={tuple(schedule)!r} has no compiled FMHAv2 SAGE kernel; "
-                         f"compiled (k_block, (kv_step, kv_buffers, mutex)): "
-                         f"{sorted({(k.k_block, k.schedule) for k in sage_kernels()})}")
+    if not any(k.k_block == k_block and k.kv_step == kv_step for k in sage_kernels()):
+        raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r} has no compiled FMHAv2 SAGE kernel; "
+                         f"compiled: {sorted({(k.k_block, k.kv_step) for k in sage_kernels()})}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block)
-    return sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, schedule)
+    return sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step)

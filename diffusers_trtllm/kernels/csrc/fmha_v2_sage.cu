@@ -3,7 +3,7 @@
 // FlashInfer ships the kernels' sources and generator but its fmha_v2_run never fills `params.sage`; this file
 // does, for the kernels that diffusers_trtllm/kernels/fmha_v2_sage.py generates (padding mask, PACKED_QKV layout).
 // The generated header "sage_kernels.h" declares those kernels' launchers and `launch_sage_kernel`, which picks one
-// by (q block, k block, KV step, K/V buffers, mutex, skip-softmax).
+// by (q block, k block, KV step, skip-softmax).
 
 #include <fused_multihead_attention.h>
 
@@ -33,8 +33,8 @@ uint32_t float_bits(float value) {
 // tile_counter: [1] int32 scratch for the persistent scheduler, owned by the caller's stream
 void sage_attention(ffi::TensorView qkv, ffi::TensorView out, ffi::TensorView q_scale, ffi::TensorView k_scale,
                     ffi::TensorView cu_seqlens, ffi::TensorView tile_counter, int64_t heads_q, int64_t heads_kv,
-                    int64_t max_seqlen, int64_t q_block, int64_t k_block, int64_t kv_step, int64_t kv_buffers,
-                    bool mutex, double softmax_scale, double skip_softmax_threshold_scale_factor) {
+                    int64_t max_seqlen, int64_t q_block, int64_t k_block, int64_t kv_step, double softmax_scale,
+                    double skip_softmax_threshold_scale_factor) {
   TVM_FFI_ICHECK_EQ(qkv.dtype(), dl_float8_e4m3fn) << "qkv must be float8_e4m3fn";
   TVM_FFI_ICHECK_EQ(out.dtype(), dl_bfloat16) << "out must be bfloat16";
   TVM_FFI_ICHECK_EQ(q_scale.dtype(), dl_float32) << "q_scale must be float32";
@@ -95,10 +95,9 @@ void sage_attention(ffi::TensorView qkv, ffi::TensorView out, ffi::TensorView q_
 
   cudaStream_t stream = get_stream(qkv.device());
   TVM_FFI_ICHECK(launch_sage_kernel(static_cast<int>(q_block), static_cast<int>(k_block),
-                                    static_cast<int>(kv_step), static_cast<int>(kv_buffers), mutex,
-                                    launch.enable_skip_softmax, params, launch, stream))
+                                    static_cast<int>(kv_step), launch.enable_skip_softmax, params, launch, stream))
       << "no SAGE kernel was built for q_block " << q_block << ", k_block " << k_block << ", kv_step " << kv_step
-      << ", kv_buffers " << kv_buffers << ", mutex " << mutex << ", skip-softmax " << launch.enable_skip_softmax;
+      << ", skip-softmax " << launch.enable_skip_softmax;
 }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sage_attention, sage_attention);
