@@ -10,7 +10,9 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
    FlashAttention-4 when importable. TFLOP/s counts 4·S²·D·H. Error vs float32 exact attention on two heads.
 4. Skip-Softmax on data that follows NVIDIA's published Wan 2.2 curve (benchmarks/data.py ``published_curve``)
    at s = 0.3, 0.5, 0.65, 0.75: the reference's sparsity (128 × 128 and the FMHAv2 SAGE tiles), time and ×cuDNN of
-   FMHAv2 bf16 + skip, Triton SAGE + skip and FMHAv2 SAGE + skip, error vs each one's own dense output.
+   FMHAv2 bf16 + skip, Triton SAGE + skip and FMHAv2 SAGE + skip, error vs each one's own dense output;
+   ``curve256``: the same with one offset per 256 keys (the curve holds at 128 × 128 and at FMHAv2 fp8's 64 × 256).
+5. ``floor``: each skipping kernel with every tile after the first skipped (what a skipped tile still costs).
 
     python benchmarks/hopper_sage.py          # writes $OUT/hopper_sage.json (or ./ without $OUT)
     python benchmarks/hopper_sage.py --quick  # small shapes only (a check of the script)
@@ -272,16 +274,30 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float, data_tile: int = 128) -
                 log(section, s=s, kernel=name, error=traceback.format_exc()[-2000:])
 
 
+def skip_floor(tokens: int, heads: int, cudnn_ms: float) -> None:
+    """Each skipping kernel with every KV tile after the first skipped (factor 1e9: λ ≥ 1 makes every later tile
+    negligible): what a skipped tile still costs (Q·Kᵀ, the tile max, loading K and V, and for fp8 FMHAv2 the
+    producer warpgroup's V transpose), the bound on any Skip-Softmax speed-up."""
+    q, k, v = random_qkv(tokens, heads)
+    runs = [("FMHAv2 bf16", lambda f: fmha_bf16(q, k, v, f)),
+            ("Triton SAGE int8", lambda f: triton(q, k, v, "int8", f))]
+    runs += [(sage_name(kr), lambda f, kr=kr: fmha_sage(q, k, v, (tokens,), kr, f))
+             for kr in fmha_v2_sage.sage_kernels() if kr.skip_softmax and kr.k_block == 0]
+    for name, fn in runs:
+        dense_ms, floor_ms = bench_ms(lambda: fn(0.0)), bench_ms(lambda: fn(1e9))
+        log("floor", kernel=name, dense_ms=dense_ms, all_skipped_ms=floor_ms, x_cudnn_at_floor=cudnn_ms / floor_ms)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
-    parser.add_argument("--sections", default="accuracy,wan,curve,curve256",
-                        help="comma-separated: accuracy, wan, curve, curve256")
+    valid = ("accuracy", "wan", "curve", "curve256", "floor")
+    parser.add_argument("--sections", default=",".join(valid), help=f"comma-separated: {', '.join(valid)}")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    unknown = sections - {"accuracy", "wan", "curve", "curve256"}
+    unknown = sections - set(valid)
     if unknown:
-        parser.error(f"--sections: unknown section(s) {sorted(unknown)}; valid: accuracy, wan, curve, curve256")
+        parser.error(f"--sections: unknown section(s) {sorted(unknown)}; valid: {', '.join(valid)}")
     tokens, heads = (8192, 8) if args.quick else (75600, 40)
     import flashinfer
 
@@ -301,6 +317,8 @@ def main() -> None:
         skip_curve(tokens, heads, cudnn_ms)
     if "curve256" in sections:
         skip_curve(tokens, heads, cudnn_ms, data_tile=256)
+    if "floor" in sections:
+        skip_floor(tokens, heads, cudnn_ms)
 
 
 if __name__ == "__main__":
