@@ -13,6 +13,7 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
    FMHAv2 bf16 + skip, Triton SAGE + skip and FMHAv2 SAGE + skip, error vs each one's own dense output;
    ``curve256``: the same with one offset per 256 keys (the curve holds at 128 × 128 and at FMHAv2 fp8's 64 × 256).
 5. ``floor``: each skipping kernel with every tile after the first skipped (what a skipped tile still costs).
+6. ``ratio``: cuDNN SDPA and the default FMHAv2 SAGE kernel timed alternately, the per-round ratio's median/range.
 
     python benchmarks/hopper_sage.py          # writes $OUT/hopper_sage.json (or ./ without $OUT)
     python benchmarks/hopper_sage.py --quick  # small shapes only (a check of the script)
@@ -134,7 +135,7 @@ def fmha_bf16(q, k, v, factor=0.0):
     return flashinfer_fmha.fmha_v2_attention(q, k, v, (s,), (s,), SCALE, factor)
 
 
-def build() -> None:
+def build(bf16: bool = True) -> None:
     timings, errors = {}, {}
 
     def timed(name, fn):
@@ -145,9 +146,11 @@ def build() -> None:
             errors[name] = traceback.format_exc()[-3000:]
         timings[name] = round(time.perf_counter() - start, 1)
 
-    threads = [threading.Thread(target=timed, args=("fmha_v2_sage", fmha_v2_sage.load_module)),
-               threading.Thread(target=timed, args=("fmha_v2_bf16", lambda: flashinfer_fmha.flashinfer_prefill()
-                                                    .get_trtllm_fmha_v2_module("SEPARATE_Q_K_V", torch.bfloat16)))]
+    threads = [threading.Thread(target=timed, args=("fmha_v2_sage", fmha_v2_sage.load_module))]
+    if bf16:
+        threads.append(threading.Thread(target=timed, args=(
+            "fmha_v2_bf16", lambda: flashinfer_fmha.flashinfer_prefill().get_trtllm_fmha_v2_module(
+                "SEPARATE_Q_K_V", torch.bfloat16))))
     for t in threads:
         t.start()
     for t in threads:
@@ -288,10 +291,32 @@ def skip_floor(tokens: int, heads: int, cudnn_ms: float) -> None:
         log("floor", kernel=name, dense_ms=dense_ms, all_skipped_ms=floor_ms, x_cudnn_at_floor=cudnn_ms / floor_ms)
 
 
+def paired_ratio(tokens: int, heads: int, rounds: int = 15) -> None:
+    """cuDNN SDPA and the default FMHAv2 SAGE fp8 kernel timed alternately, one call each per round after warm-up
+    (clock and thermal drift hit both alike): the median and range of the per-round ratio."""
+    q, k, v = random_qkv(tokens, heads)
+    kernel = fmha_v2_sage.SageKernel(0, 256, False)
+    runs = {"cuDNN SDPA": lambda: sdpa(q, k, v), "FMHAv2 SAGE fp8": lambda: fmha_sage(q, k, v, (tokens,), kernel)}
+    for fn in runs.values():
+        fn(), fn()
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    ratios = sorted(c / s for c, s in zip(times["cuDNN SDPA"], times["FMHAv2 SAGE fp8"]))
+    log("ratio", rounds=rounds, median_ms={n: sorted(t)[rounds // 2] for n, t in times.items()},
+        ratio_median=ratios[rounds // 2], ratio_min=ratios[0], ratio_max=ratios[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
-    valid = ("accuracy", "wan", "curve", "curve256", "floor")
+    valid = ("accuracy", "wan", "curve", "curve256", "floor", "ratio")
     parser.add_argument("--sections", default=",".join(valid), help=f"comma-separated: {', '.join(valid)}")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -304,12 +329,14 @@ def main() -> None:
     results["meta"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                            flashinfer=flashinfer.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            shape=[tokens, heads, 128])
-    build()
+    build(bf16=bool(sections & {"wan", "curve", "curve256", "floor"}))
     if "accuracy" in sections:
         accuracy()
+    if "ratio" in sections:
+        paired_ratio(tokens, heads)
     if "wan" in sections:
         cudnn_ms = wan_speed(tokens, heads)["cuDNN SDPA"]
-    else:
+    elif sections & {"curve", "curve256", "floor"}:
         q, k, v = random_qkv(tokens, heads)
         cudnn_ms = bench_ms(lambda: sdpa(q, k, v))
         del q, k, v
