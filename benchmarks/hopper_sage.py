@@ -14,7 +14,6 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
    ``curve256``: the same with one offset per 256 keys (the curve holds at 128 × 128 and at FMHAv2 fp8's 64 × 256).
 5. ``floor``: each skipping kernel with every tile after the first skipped (what a skipped tile still costs).
 6. ``ratio``: cuDNN SDPA and the default FMHAv2 SAGE kernel timed alternately, the per-round ratio's median/range.
-7. ``triton_skip``: the Triton kernel's skip launch with V loaded inside the kept-tile branch or before the test.
 
     python benchmarks/hopper_sage.py          # writes $OUT/hopper_sage.json (or ./ without $OUT)
     python benchmarks/hopper_sage.py --quick  # small shapes only (a check of the script)
@@ -292,28 +291,6 @@ def skip_floor(tokens: int, heads: int, cudnn_ms: float) -> None:
         log("floor", kernel=name, dense_ms=dense_ms, all_skipped_ms=floor_ms, x_cudnn_at_floor=cudnn_ms / floor_ms)
 
 
-def triton_skip(tokens: int, heads: int, cudnn_ms: float) -> None:
-    """The Triton kernel's skip path on the 128-key published-curve data, attention only (quantized once): the dense
-    launch, the skipping launch as shipped, and the skipping launch with V loaded before the skip test."""
-    q, k, v = published_curve_qkv(tokens, heads)
-    seq = cu([tokens])
-    for dtype in ("int8", "fp8_e4m3"):
-        quantized = triton_sage.sage_quantize(q, k, v, seq, seq, tokens, tokens, dtype_qk=dtype, q_block=1,
-                                              k_block=16)
-
-        def attend(factor=0.0, launch=None):
-            return triton_sage.sage_attention_quantized(quantized, seq, seq, (tokens,), (tokens,), SCALE,
-                                                        skip_factor=factor, launch=launch)[0]
-        log("triton_skip", dtype=dtype, launch="dense", ms=bench_ms(attend))
-        for s in SPARSITIES:
-            factor = skip_factor(s)
-            for name, launch in (("skip", None), ("skip, V before the test",
-                                                   triton_sage.AttentionLaunch(128, 128, num_warps=8,
-                                                                               v_before_skip_test=True))):
-                ms = bench_ms(lambda: attend(factor, launch))
-                log("triton_skip", dtype=dtype, s=s, launch=name, ms=ms, x_cudnn=cudnn_ms / ms)
-
-
 def paired_ratio(tokens: int, heads: int, rounds: int = 15) -> None:
     """cuDNN SDPA and the default FMHAv2 SAGE fp8 kernel timed alternately, one call each per round after warm-up
     (clock and thermal drift hit both alike): the median and range of the per-round ratio."""
@@ -339,7 +316,7 @@ def paired_ratio(tokens: int, heads: int, rounds: int = 15) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
-    valid = ("accuracy", "wan", "curve", "curve256", "floor", "ratio", "triton_skip")
+    valid = ("accuracy", "wan", "curve", "curve256", "floor", "ratio")
     parser.add_argument("--sections", default=",".join(valid), help=f"comma-separated: {', '.join(valid)}")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -359,7 +336,7 @@ def main() -> None:
         paired_ratio(tokens, heads)
     if "wan" in sections:
         cudnn_ms = wan_speed(tokens, heads)["cuDNN SDPA"]
-    elif sections & {"curve", "curve256", "floor", "triton_skip"}:
+    elif sections & {"curve", "curve256", "floor"}:
         q, k, v = random_qkv(tokens, heads)
         cudnn_ms = bench_ms(lambda: sdpa(q, k, v))
         del q, k, v
@@ -369,8 +346,6 @@ def main() -> None:
         skip_curve(tokens, heads, cudnn_ms, data_tile=256)
     if "floor" in sections:
         skip_floor(tokens, heads, cudnn_ms)
-    if "triton_skip" in sections:
-        triton_skip(tokens, heads, cudnn_ms)
 
 
 if __name__ == "__main__":

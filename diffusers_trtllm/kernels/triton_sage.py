@@ -86,9 +86,6 @@ class AttentionLaunch:
     # fastest (the default), 32 the closest to fp32 accumulation but it spills registers. int8 accumulates exactly
     # in int32 regardless.
     fp8_qk_chunk: int = 128
-    # With skipping: load each V tile before the skip test (it overlaps Q·Kᵀ and the tile max; a skipped tile wastes
-    # the load) rather than inside the kept-tile branch.
-    v_before_skip_test: bool = False
 
 
 # The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~13% faster
@@ -296,7 +293,7 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
         scale * LOG2E, skip_factor, heads_q // heads_kv, heads_kv,
         QK_INT8=quantized.q.dtype == torch.int8,
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
-        SKIP=skips, COUNT_SKIPS=count, V_EARLY=launch.v_before_skip_test,
+        SKIP=skips, COUNT_SKIPS=count,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not count_skips:
         return out, None, None
@@ -497,7 +494,7 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, 
 def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
                     v_base, j, kv_len, v_len, log2_lambda,
                     QK_INT8: tl.constexpr, FP8_QK_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SKIP: tl.constexpr, MASKED: tl.constexpr, V_EARLY: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SKIP: tl.constexpr, MASKED: tl.constexpr):
     """Fold KV tile ``j : j + BLOCK_N`` into the running max ``m_i``, row sum ``l_i`` and accumulator ``acc``.
 
     Scores are ``t * q_scale`` with ``t = (q · k) * k_scale``: q_scale > 0 per row commutes with the row max, so
@@ -515,8 +512,6 @@ def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, str
     else:
         k = tl.load(k_ptrs)
         k_scale = tl.load(k_scale_base + (cols >> k_block_shift))
-    if SKIP and V_EARLY:
-        v_t = _load_v_tile(v_ptrs, cols, v_len, MASKED)
     if QK_INT8:
         t = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
     else:
@@ -536,11 +531,14 @@ def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, str
     if skip_tile:
         skipped += 1
     else:
-        # Without V_EARLY, V^T is loaded here so that a skipped tile does not wait for it. (With skipping compiled
-        # in, Triton does not software-pipeline this load either way: its dot sits in a branch. Without skipping,
-        # this is straight-line code and the load is pipelined.)
-        if not (SKIP and V_EARLY):
-            v_t = _load_v_tile(v_ptrs, cols, v_len, MASKED)
+        # V^T is loaded here so that a skipped tile does not wait for it. (With skipping compiled in, Triton does
+        # not software-pipeline this load either way: its dot sits in a branch. Without, this is straight-line
+        # code and the load is pipelined.) Loading it before the skip test instead was 25-40 % slower at every
+        # sparsity on the H200 (benchmarks/RESULTS.md, issue 11; commit d9f3559).
+        if MASKED:
+            v_t = tl.load(v_ptrs, mask=cols[None, :] < v_len, other=0.0)
+        else:
+            v_t = tl.load(v_ptrs)
         m_new = tl.maximum(m_i, tile_max)
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(t * q_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
@@ -553,13 +551,6 @@ def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, str
 
 
 @_jit
-def _load_v_tile(v_ptrs, cols, v_len, MASKED: tl.constexpr):
-    if MASKED:
-        return tl.load(v_ptrs, mask=cols[None, :] < v_len, other=0.0)
-    return tl.load(v_ptrs)
-
-
-@_jit
 def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, skipped_ptr,
                            cu_q_ptr, cu_kv_ptr,
                            stride_qt, stride_qh, stride_kt, stride_kh, v_t_head_stride, v_t_dim_stride,
@@ -567,8 +558,7 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
                            q_block_shift, k_block_shift, score_scale, skip_factor, group_size, heads_kv,
                            QK_INT8: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           FP8_QK_CHUNK: tl.constexpr, SKIP: tl.constexpr, COUNT_SKIPS: tl.constexpr,
-                           V_EARLY: tl.constexpr):
+                           FP8_QK_CHUNK: tl.constexpr, SKIP: tl.constexpr, COUNT_SKIPS: tl.constexpr):
     """One program: BLOCK_M query rows of one head of one sequence against all of that sequence's keys.
 
     Scores live in the log2 domain (``score_scale`` = softmax scale · log2 e), so the skip test
@@ -612,12 +602,12 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
         m_i, l_i, acc, skipped = _attend_kv_tile(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
             k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
-            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, False, V_EARLY)
+            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, False)
     if full_end < kv_len:
         m_i, l_i, acc, skipped = _attend_kv_tile(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
             k_scale_base, k_block_shift, v_base, full_end, kv_len, v_len, log2_lambda,
-            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, True, V_EARLY)
+            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, True)
 
     # acc and l_i both carry the factor 448 of P's fp8 encoding, which cancels here.
     v_scale = tl.load(v_scale_ptr + (seq * heads_kv + kv_head) * HEAD_DIM + dims)
