@@ -18,10 +18,10 @@ log-sum-exp of partial results, which this backend does not return: it raises.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from diffusers.models import attention_dispatch as diffusers_dispatch
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
+from .backends.sdpa import sdpa_attention
 from .config import TORCH_SDPA, AttentionConfig
 from .errors import AttentionConfigError
 from .ops import packed_problem
@@ -85,18 +85,17 @@ def run_call(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value:
         call.probe(call.site, packed_problem(query, key, value, valid_lengths)[0], scale=scale, causal=causal,
                    tile=call.tile)
         skip_value = torch.zeros_like(skip_value)
+    count = counting(call)
     if call.backend == TORCH_SDPA and call.planned and valid_lengths is None:
-        # Differentiable and traced by inductor like diffusers' native backend.
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                             is_causal=causal, scale=scale,
-                                             enable_gqa=query.shape[2] != key.shape[2])
-        if counting(call):
+        # TORCH_SDPA's own function outside the op: differentiable and traced by inductor.
+        out = sdpa_attention(query, key, value, scale, causal)
+        if count:
             call.counts[2] += 1  # a call that counts no tiles (see ops.attention)
-        return out.transpose(1, 2)
+        return out
     out, counts = torch.ops.diffusers_trtllm.attention(
-        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, counting(call),
-        call.backend, scale, causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
-    if counting(call):
+        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, count, call.backend,
+        scale, causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
+    if count:
         call.counts += counts
     return out
 

@@ -28,6 +28,7 @@ import torch
 
 from .backends import run_backend, select_backend
 from .backends.base import KernelPlan, VarlenQKV
+from .backends.sdpa import sdpa_attention
 from .config import AttnQuantSpec
 
 
@@ -99,18 +100,16 @@ def _backward(ctx, grad_out, grad_counts):
 
 
 def dense_attention(q, k, v, valid_lengths, scale: float, causal: bool) -> torch.Tensor:
-    """``[B, S, H, D]`` dense attention with SDPA, each sample among its valid prefix (0 elsewhere)."""
-    mask = None
-    if valid_lengths is not None:
-        positions = torch.arange(q.shape[1], device=q.device)
-        valid = positions[None, :] < valid_lengths.to(q.device)[:, None]  # [B, S]
-        mask = (valid[:, None, :, None] & valid[:, None, None, :])
+    """``[B, S, H, D]`` dense attention with SDPA (``TORCH_SDPA``'s), each sample among its valid prefix (0
+    elsewhere; valid prefixes come with non-causal self-attention only)."""
+    if valid_lengths is None:
+        return sdpa_attention(q, k, v, scale, causal)
+    positions = torch.arange(q.shape[1], device=q.device)
+    valid = positions[None, :] < valid_lengths.to(q.device)[:, None]  # [B, S]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal and mask is None,
-        scale=scale, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
-    if valid_lengths is not None:
-        out = torch.where(valid[:, :, None, None], out, 0.0)
-    return out
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, :, None] &
+        valid[:, None, None, :], scale=scale, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+    return torch.where(valid[:, :, None, None], out, 0.0)
 
 
 attention.register_autograd(_backward, setup_context=_setup_backward)

@@ -17,16 +17,20 @@ from ..config import TORCH_SDPA
 from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
-    """``[B, S, H, D]`` in and out."""
-    gqa = q.shape[2] != k.shape[2]
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Dense attention of ``[B, S, H, D]`` tensors (grouped-query heads allowed), causal bottom-right; ``[B, Sq, Hq,
+    D]`` out. Differentiable, and traced by inductor like diffusers' native backend."""
     sq, skv = q.shape[1], k.shape[1]
-    bottom_right = plan.causal and sq != skv
+    bottom_right = causal and sq != skv
     mask = torch.ones(sq, skv, dtype=torch.bool, device=q.device).tril(skv - sq) if bottom_right else None
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                         is_causal=plan.causal and not bottom_right, scale=plan.scale,
-                                         enable_gqa=gqa)
+                                         is_causal=causal and not bottom_right, scale=scale,
+                                         enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+    return sdpa_attention(q, k, v, plan.scale, plan.causal)
 
 
 def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
