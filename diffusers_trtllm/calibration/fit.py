@@ -98,9 +98,9 @@ class CalibrationResult:
             kv_len = max(p["kv_len"] for p in fit.points)
             cells = []
             for s in targets:
-                if lo <= s <= hi:
+                try:
                     cells.append(f"{fit.threshold_at(s, kv_len):.3g}")
-                else:
+                except CalibrationError:  # outside the observed range: threshold_at refuses it
                     refused = True
                     cells.append("not observed")
             lines.append(f"| {component} | {cal.a:.4g} | {cal.b:.4g} | {fit.r_squared:.3f} | {lo:.3f}–{hi:.3f} | "
