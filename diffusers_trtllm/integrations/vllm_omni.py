@@ -133,11 +133,11 @@ def trtllm_unavailable_reason(config: AttentionConfig, device: torch.device, dty
 
     specs = [("default", config.default), *((f"per_role[{k!r}]", s) for k, s in config.per_role.items())]
     backend = get_backend(TRTLLM_ATTN)
+    probe = VarlenQKV(*(torch.empty(PROBE_TOKENS, 1, PROBE_HEAD_DIM, dtype=dtype, device=device) for _ in range(3)),
+                      (PROBE_TOKENS,), (PROBE_TOKENS,))
     for where, spec in specs:
         if spec.backend != TRTLLM_ATTN:
             continue
-        probe = VarlenQKV(*(torch.empty(PROBE_TOKENS, 1, PROBE_HEAD_DIM, dtype=dtype, device=device)
-                            for _ in range(3)), (PROBE_TOKENS,), (PROBE_TOKENS,))
         plan = KernelPlan(backend=TRTLLM_ATTN, scale=PROBE_HEAD_DIM ** -0.5, skip_factor=1.0 if spec.skips else 0.0,
                           quant=spec.quant)
         reason = backend.unavailable_reason(plan, probe)
