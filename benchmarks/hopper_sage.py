@@ -59,15 +59,18 @@ def bench_ms(fn, iters: int = 5) -> float:
     """Median of ``iters`` timed calls after two warm-up calls (one Wan-shape call is 100-200 ms)."""
     fn()
     fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [time_ms(fn) for _ in range(iters)]
     return sorted(times)[len(times) // 2]
+
+
+def time_ms(fn) -> float:
+    """One call of ``fn``, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def tflops(seq: int, heads: int, ms: float) -> float:
@@ -302,12 +305,7 @@ def paired_ratio(tokens: int, heads: int, rounds: int = 15) -> None:
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, fn in runs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(time_ms(fn))
     ratios = sorted(c / s for c, s in zip(times["cuDNN SDPA"], times["FMHAv2 SAGE fp8"]))
     log("ratio", rounds=rounds, median_ms={n: sorted(t)[rounds // 2] for n, t in times.items()},
         ratio_median=ratios[rounds // 2], ratio_min=ratios[0], ratio_max=ratios[-1])
