@@ -54,7 +54,8 @@ _WRAPPED = "__diffusers_trtllm_wrapped__"
 # --- configuration --------------------------------------------------------------------------------------------
 
 def _named_specs(config) -> list[tuple[str, object]]:
-    """``(where, vLLM-Omni spec)`` for the default (when set) and every per_role entry."""
+    """``(where, spec)`` for the default (when set) and every per_role entry of vLLM-Omni's or this package's
+    ``AttentionConfig``."""
     named = [("default", config.default)] if config.default is not None else []
     return named + [(f"per_role[{key!r}]", spec) for key, spec in config.per_role.items()]
 
@@ -131,7 +132,7 @@ def trtllm_unavailable_reason(config: AttentionConfig, device: torch.device, dty
     (one 128-token, head_dim-128 probe per spec through the backend's own check), or ``None``."""
     from ..backends.base import KernelPlan, VarlenQKV, get_backend
 
-    specs = [("default", config.default), *((f"per_role[{k!r}]", s) for k, s in config.per_role.items())]
+    specs = _named_specs(config)
     backend = get_backend(TRTLLM_ATTN)
     probe = VarlenQKV(*(torch.empty(PROBE_TOKENS, 1, PROBE_HEAD_DIM, dtype=dtype, device=device) for _ in range(3)),
                       (PROBE_TOKENS,), (PROBE_TOKENS,))
