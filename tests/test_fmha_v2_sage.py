@@ -61,6 +61,23 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
                 f"{str(kernel.skip_softmax).lower()}") in header
 
 
+def test_sources_carry_every_v_layout_patch_and_the_build_reads_them_first():
+    sources = fmha_v2_sage.kernel_sources()
+    for path, old, new in fmha_v2_sage.V_LAYOUT_PATCHES:
+        assert sources[path].count(new) == 1 and (old in new or old not in sources[path])
+    assert "DMA_GROUP_TRANSPOSE_V = 0" in sources["fmha/warpspec/kernel_traits.h"]
+    flags = fmha_v2_sage.nvcc_flags(fmha_v2_sage.pathlib.Path("/generated"))
+    includes = [flag for flag in flags if flag.startswith("-I")]
+    assert includes[0] == "-I/generated" and any(flag.endswith("fmha_v2") for flag in includes[1:])
+
+
+def test_v_layout_patches_refuse_a_changed_header(monkeypatch):
+    monkeypatch.setattr(fmha_v2_sage, "V_LAYOUT_PATCHES",
+                        (("fmha/warpspec/dma.h", "text FlashInfer no longer has", "x"),))
+    with pytest.raises(RuntimeError, match="dma.h changed"):
+        fmha_v2_sage.patched_headers()
+
+
 def test_padding_mask_only_refuses_a_changed_template():
     with pytest.raises(RuntimeError, match="template changed"):
         fmha_v2_sage.padding_mask_only("a\n // causal_mask\nkernel\n")
@@ -79,14 +96,16 @@ def test_binding_arguments_match_the_python_call(monkeypatch):
 
     monkeypatch.setattr(fmha_v2_sage, "load_module", lambda: Module())
     batch, tokens, heads_q, heads_kv = 2, 300, 4, 2
-    packed = fmha_v2_sage.PackedSage(torch.zeros(tokens, heads_q + 2 * heads_kv, 128, dtype=torch.float8_e4m3fn),
+    packed = fmha_v2_sage.PackedSage(torch.zeros(tokens, heads_q + heads_kv, 128, dtype=torch.float8_e4m3fn),
+                                     torch.zeros(heads_kv, 128, 336, dtype=torch.float8_e4m3fn),
+                                     torch.tensor([0, 112, 336], dtype=torch.int32),
                                      torch.ones(batch, heads_q, 3), torch.ones(batch, heads_q, 3),
                                      torch.full((batch, heads_kv, 128), 2.0), 64)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     out = fmha_v2_sage.sage_attention_packed(packed, cu, (100, 200), heads_q, SCALE, 5.0, 256)
     got = ["tensor" if isinstance(a, torch.Tensor) else "int" if isinstance(a, int) else "float" for a in seen]
     assert got == kinds
-    assert seen[6:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
+    assert seen[8:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
     assert out.shape == (tokens, heads_q, 128) and out.dtype == torch.bfloat16
 
 
@@ -175,6 +194,29 @@ def interpreted(tmp_path_factory):
     return torch.load(path, weights_only=False)
 
 
+def _v_columns(start, n):
+    """V^T columns of keys 0..n-1 of a sequence starting at column ``start``: within each 16-key group, key
+    ``2a + b`` (b < 2) sits at column ``4a + b`` and key ``8 + 2a + b`` at ``4a + 2 + b``, as FMHAv2's fp8
+    softmax packs P (accumulator columns 2a, 2a+1, 2a+8, 2a+9 into one 4-byte MMA operand register)."""
+    order = [4 * a + b + 2 * high for key in range(16) for high, a, b in [(key // 8, (key % 8) // 2, key % 2)]]
+    return torch.tensor([start + j - j % 16 + order[j % 16] for j in range(n)])
+
+
+def test_v_key_order_is_a_permutation_of_each_16_key_group():
+    columns = _v_columns(0, 32)
+    assert sorted(columns.tolist()) == list(range(32))
+    assert columns[:16].tolist() == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+
+
+def test_v_t_outside_the_sequences_holds_zeros(interpreted):
+    packed = interpreted[64]
+    covered = torch.zeros(packed.v_t.shape[2], dtype=torch.bool)
+    for i, n in enumerate(LENGTHS):
+        covered[_v_columns(packed.v_starts[i].item(), n)] = True
+    assert packed.v_starts.tolist() == [0, 16 * (-(-LENGTHS[0] // 16) + 1), 16 * (-(-sum(LENGTHS) // 16) + 2)]
+    assert not packed.v_t[:, :, ~covered].float().any() and packed.v_t[:, :, covered].float().any()
+
+
 @pytest.mark.parametrize("k_block", fmha_v2_sage.K_BLOCKS)
 def test_packed_quantizer_matches_reference_bit_for_bit(interpreted, k_block):
     packed = interpreted[k_block]
@@ -185,9 +227,10 @@ def test_packed_quantizer_matches_reference_bit_for_bit(interpreted, k_block):
         rows = slice(start, start + n)
         start += n
         ref = quantize_sequence(q[rows].float(), k[rows].float(), v[rows].float(), semantics)
-        assert torch.equal(packed.qkv[rows, :HEADS_Q].float(), ref.q)
-        assert torch.equal(packed.qkv[rows, HEADS_Q:HEADS_Q + HEADS_KV].float(), ref.k)
-        assert torch.equal(packed.qkv[rows, HEADS_Q + HEADS_KV:].float(), ref.v)
+        assert torch.equal(packed.qk[rows, :HEADS_Q].float(), ref.q)
+        assert torch.equal(packed.qk[rows, HEADS_Q:].float(), ref.k)
+        columns = _v_columns(packed.v_starts[i].item(), n)
+        assert torch.equal(packed.v_t[:, :, columns].permute(2, 0, 1).float(), ref.v)
         assert torch.equal(packed.v_scale[i], ref.v_scale)
         q_scale = packed.q_scale[i].repeat_interleave(64, 1)[:, :n].T[..., None]
         if k_block:

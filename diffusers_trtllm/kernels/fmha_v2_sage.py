@@ -20,8 +20,9 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   generator's choice for e4m3, or 128) when every row's ``exp(tile_max - running_max) < skip_factor / kv_len``,
   so decisions are per ``64 × kv_step`` tile (:func:`skip_tile`); the first KV step is never skipped.
 
-The kernel reads Q, K and V from one packed ``[tokens, Hq + 2·Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so
-every sequence has as many queries as keys (self-attention). GPUs: sm_90 only (wgmma, TMA, setmaxnreg).
+The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so every
+sequence has as many queries as keys (self-attention), and V already transposed (:data:`V_LAYOUT_PATCHES`).
+GPUs: sm_90 only (wgmma, TMA, setmaxnreg).
 """
 
 from __future__ import annotations
@@ -107,9 +108,78 @@ def padding_mask_only(code: str) -> str:
     return "\n".join(kept) + "\n"
 
 
+# Hopper's fp8 MMA reads its B operand K-major, so FMHAv2 transposes every fp8 V tile in shared memory with its
+# whole DMA warpgroup, in series with that tile's TMA load, and the compute warpgroups wait for it even on tiles
+# Skip-Softmax skips: with every tile skipped the kernel still ran at 83 % of its dense time. These kernels read
+# V^T from global memory instead, as the quantizer writes it (`V^T layout` below): the DMA warp only issues TMA
+# loads. Each entry: header (relative to FlashInfer's fmha_v2 folder), text found exactly once, replacement.
+V_LAYOUT_PATCHES = (
+    ("fmha/warpspec/kernel_traits.h",
+     "  enum {\n    DMA_GROUP_TRANSPOSE_V = (std::is_same<Element_data_type, fmha::e4m3_t>::value ||\n"
+     "                             std::is_same<Element_data_type, fmha::e5m2_t>::value)\n  };\n",
+     "  enum { DMA_GROUP_TRANSPOSE_V = 0 };  // diffusers_trtllm: V arrives transposed\n"),
+    ("fmha/warpspec/dma.h",
+     "    // The sum_s for kv.\n    int sum_s_kv_;\n",
+     "    // The sum_s for kv.\n    int sum_s_kv_;\n"
+     "    // diffusers_trtllm: the sequence's first column in V^T (params.cu_kv_seqlens carries them).\n"
+     "    int sum_s_v_;\n"),
+    ("fmha/warpspec/dma.h",
+     "        sum_s_kv_ = sum_s_q_;\n",
+     "        sum_s_kv_ = sum_s_q_;\n        sum_s_v_ = params.cu_kv_seqlens[bidb];\n"),
+    ("fmha/warpspec/dma.h",
+     "      for (int di = 0; di < Kernel_traits::DV_GROUPS; ++di) {\n"
+     "        const int32_t v_coords[3] = {di * Kernel_traits::D_PER_GROUP, bidh_kv,\n"
+     "                                     sum_s_kv_ + kv_tile_start_offset};\n\n"
+     "        fmha::utmaldg<3, fmha::cudaTmaDescType::TILED, false>(\n"
+     "            desc_v,\n"
+     "            __cvta_generic_to_shared(\n"
+     "                &v_smem[v_barrier_id * TILE_SIZE_V + di * TILE_SIZE_V_PER_D_GROUP]),\n",
+     "      for (int kg = 0; kg < Kernel_traits::BMM2_K_GROUPS; ++kg) {\n"
+     "        // diffusers_trtllm: one load per 128-key group of V^T, all DV channels, where the transposer\n"
+     "        // would have written it.\n"
+     "        const int32_t v_coords[3] = {\n"
+     "            sum_s_v_ + kv_tile_start_offset + kg * Kernel_traits::BMM2_K_PER_GROUP, 0, bidh_kv};\n\n"
+     "        fmha::utmaldg<3, fmha::cudaTmaDescType::TILED, false>(\n"
+     "            desc_v,\n"
+     "            __cvta_generic_to_shared(&v_smem[v_barrier_id * TILE_SIZE_V +\n"
+     "                                             kg * Kernel_traits::BMM2_K_PER_GROUP * Kernel_traits::DV]),\n"),
+    ("fmha/warpspec/dma.h",
+     "        // V\n        kv_tma_descriptor.set_tma_desctriptor(\n"
+     "            v_ptr, desc_format, fmha::cudaTmaDescInterleave::INTERLEAVE_DISABLED, swizzle_mode,\n"
+     "            fmha::cudaTmaDescPromotion::PROMOTION_DISABLED, tensor_size_v, tensor_stride_v,\n"
+     "            traversal_stride, box_size_kv, oob_fill, fp32_to_tf32, &params.tma_desc_v);\n",
+     "        // diffusers_trtllm: V^T [h_kv, dv, columns] at params.v_ptr, v_stride_in_bytes = columns.\n"
+     "        (void)v_ptr;\n"
+     "        uint32_t tensor_size_v_t[3] = {uint32_t(params.v_stride_in_bytes), dv, h_kv};\n"
+     "        uint64_t tensor_stride_v_t[2] = {uint64_t(params.v_stride_in_bytes),\n"
+     "                                         uint64_t(params.v_stride_in_bytes) * dv};\n"
+     "        uint32_t box_size_v_t[3] = {Kernel_traits::BMM2_K_PER_GROUP, dv, 1};\n"
+     "        kv_tma_descriptor.set_tma_desctriptor(\n"
+     "            params.v_ptr, desc_format, fmha::cudaTmaDescInterleave::INTERLEAVE_DISABLED, swizzle_mode,\n"
+     "            fmha::cudaTmaDescPromotion::PROMOTION_DISABLED, tensor_size_v_t, tensor_stride_v_t,\n"
+     "            traversal_stride, box_size_v_t, oob_fill, fp32_to_tf32, &params.tma_desc_v);\n"),
+)
+
+
+def patched_headers() -> dict[str, str]:
+    """FMHAv2 headers with :data:`V_LAYOUT_PATCHES` applied, by path relative to the fmha_v2 folder; the build
+    puts them ahead of FlashInfer's. Raises if a patched text is not found exactly once (FlashInfer changed)."""
+    from flashinfer.jit import env as jit_env
+
+    headers = {}
+    for path, old, new in V_LAYOUT_PATCHES:
+        text = headers.get(path) or (jit_env.FLASHINFER_CSRC_DIR / "fmha_v2" / path).read_text()
+        if text.count(old) != 1:
+            raise RuntimeError(f"FlashInfer's FMHAv2 {path} changed: a text the V^T layout patches was found "
+                               f"{text.count(old)} times, expected once:\n{old}")
+        headers[path] = text.replace(old, new)
+    return headers
+
+
 def kernel_sources() -> dict[str, str]:
-    """File name -> CUDA source of every generated kernel, plus ``sage_kernels.h`` (the launchers' declarations
-    and ``launch_sage_kernel``, which dispatches on q block, k block, KV step and skip-softmax)."""
+    """File name -> CUDA source of every generated kernel, ``sage_kernels.h`` (the launchers' declarations and
+    ``launch_sage_kernel``, which dispatches on q block, k block, KV step and skip-softmax) and the patched FMHAv2
+    headers (:func:`patched_headers`)."""
     from flashinfer.jit.attention.fmha_v2.fmha_library import get_kernel_code
     from flashinfer.jit.attention.fmha_v2.utils import encode_name
 
@@ -135,7 +205,7 @@ def kernel_sources() -> dict[str, str]:
         "  return false;",
         "}",
         ""])
-    return sources
+    return {**sources, **patched_headers()}
 
 
 def include_dirs() -> list[pathlib.Path]:
@@ -167,6 +237,7 @@ def jit_spec():
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for file_name, code in {**sources, BINDING_SOURCE.name: BINDING_SOURCE.read_text()}.items():
+        (folder / file_name).parent.mkdir(parents=True, exist_ok=True)
         write_if_different(folder / file_name, code)
         if file_name.endswith(".cu"):
             paths.append(folder / file_name)
@@ -175,7 +246,7 @@ def jit_spec():
 
 def nvcc_flags(generated: pathlib.Path) -> list[str]:
     """nvcc flags of the build: sm_90a (wgmma and setmaxnreg need the arch-specific target) and the include
-    folders (``generated`` holds ``sage_kernels.h``)."""
+    folders (``generated`` holds ``sage_kernels.h`` and the patched headers, so it comes first)."""
     return ["-gencode=arch=compute_90a,code=sm_90a", f"-I{generated}", *(f"-I{d}" for d in include_dirs()),
             "-Wno-deprecated-gpu-targets"]
 
@@ -201,13 +272,17 @@ def load_module():
 class PackedSage(NamedTuple):
     """Q, K, V quantized for the kernel.
 
-    ``qkv``: ``[T, Hq + 2·Hkv, 128]`` float8_e4m3fn (Q heads, K heads, V heads per token); ``q_scale``:
-    ``[B, Hq, ceil(max_len / 64)]`` float32 (times K's scale when ``k_block`` is 0); ``k_scale``:
-    ``[B, Hq, ceil(max_len / k_block)]`` float32 per query head (empty when ``k_block`` is 0); ``v_scale``:
-    ``[B, Hkv, 128]`` float32.
+    ``qk``: ``[T, Hq + Hkv, 128]`` float8_e4m3fn (Q heads, then K heads, per token); ``v_t``: ``[Hkv, 128,
+    columns]`` float8_e4m3fn, V transposed in :func:`~diffusers_trtllm.kernels.triton_sage.quantize_into`'s
+    ``v_mma_key_order`` (sequence ``i`` from column ``v_starts[i]``, zeros between sequences); ``v_starts``:
+    ``[B + 1]`` int32; ``q_scale``: ``[B, Hq, ceil(max_len / 64)]`` float32 (times K's scale when ``k_block`` is
+    0); ``k_scale``: ``[B, Hq, ceil(max_len / k_block)]`` float32 per query head (empty when ``k_block`` is 0);
+    ``v_scale``: ``[B, Hkv, 128]`` float32.
     """
 
-    qkv: torch.Tensor
+    qk: torch.Tensor
+    v_t: torch.Tensor
+    v_starts: torch.Tensor
     q_scale: torch.Tensor
     k_scale: torch.Tensor
     v_scale: torch.Tensor
@@ -217,7 +292,7 @@ class PackedSage(NamedTuple):
 def sage_quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                          max_seqlen: int, k_block: int) -> PackedSage:
     """Quantize a packed self-attention batch for :func:`sage_attention_packed` (one Triton reduction, one
-    Triton pass writing the packed fp8 tensor and the scales).
+    Triton pass writing Q and K packed, V transposed, and the scales).
 
     ``q`` ``[T, Hq, 128]``, ``k``/``v`` ``[T, Hkv, 128]`` bf16/fp16, channels contiguous; ``cu_seqlens``
     ``[B + 1]`` int32 (queries and keys of sequence ``i`` are rows ``cu_seqlens[i]:cu_seqlens[i + 1]``).
@@ -225,32 +300,38 @@ def sage_quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     tokens, heads_q, heads_kv = q.shape[0], q.shape[1], k.shape[1]
     batch = cu_seqlens.shape[0] - 1
     device = q.device
-    qkv = torch.empty(tokens, heads_q + 2 * heads_kv, HEAD_DIM, dtype=torch.float8_e4m3fn, device=device)
+    qk = torch.empty(tokens, heads_q + heads_kv, HEAD_DIM, dtype=torch.float8_e4m3fn, device=device)
+    # The kernel's V tiles run past a sequence's last key into the next one or the gap before it: zeros there
+    # keep P·V finite (P is 0 for those keys, and 0 · NaN is not).
+    v_t = torch.zeros(heads_kv, HEAD_DIM, triton_sage.v_columns(tokens, batch), dtype=torch.float8_e4m3fn,
+                      device=device)
+    align = triton_sage.V_TOKEN_ALIGN
+    v_starts = (align * ((cu_seqlens + align - 1) // align
+                         + torch.arange(batch + 1, dtype=torch.int32, device=device))).to(torch.int32)
     # Blocks past a shorter sequence's end are read by the kernel (and masked): scale 1 keeps them finite.
     q_scale = torch.ones(batch, heads_q, -(-max_seqlen // Q_BLOCK), dtype=torch.float32, device=device)
     k_scale = torch.ones(batch, heads_kv, -(-max_seqlen // k_block) if k_block else 0, dtype=torch.float32,
                          device=device)
     v_scale = torch.empty(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
-    targets = triton_sage.QuantizeTargets(qkv[:, :heads_q], q_scale, qkv[:, heads_q:heads_q + heads_kv], k_scale,
-                                          qkv[:, heads_q + heads_kv:], v_scale, scales_by_sequence=True,
-                                          v_transposed=False)
+    targets = triton_sage.QuantizeTargets(qk[:, :heads_q], q_scale, qk[:, heads_q:], k_scale, v_t, v_scale,
+                                          scales_by_sequence=True, v_transposed=True, v_mma_key_order=True)
     triton_sage.quantize_into(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, targets,
                               dtype_qk="fp8_e4m3", q_block=Q_BLOCK, k_block=k_block)
     if heads_q != heads_kv and k_block:  # the kernel indexes K scales by query head
         k_scale = k_scale.repeat_interleave(heads_q // heads_kv, dim=1)
-    return PackedSage(qkv, q_scale, k_scale, v_scale, k_block)
+    return PackedSage(qk, v_t, v_starts, q_scale, k_scale, v_scale, k_block)
 
 
 def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens: tuple[int, ...], heads_q: int,
                           scale: float, skip_factor: float = 0.0, kv_step: int = 256) -> torch.Tensor:
     """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output. Returns ``[T, Hq, 128]`` bf16 with V's
     per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i)."""
-    heads_kv = (packed.qkv.shape[1] - heads_q) // 2
-    out = torch.empty(packed.qkv.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=packed.qkv.device)
-    tile_counter = torch.empty(1, dtype=torch.int32, device=packed.qkv.device)  # per call: streams never share it
-    load_module().sage_attention(packed.qkv, out, packed.q_scale, packed.k_scale, cu_seqlens, tile_counter,
-                                 heads_q, heads_kv, max(seqlens), Q_BLOCK, packed.k_block, kv_step, float(scale),
-                                 float(skip_factor))
+    heads_kv = packed.qk.shape[1] - heads_q
+    out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=packed.qk.device)
+    tile_counter = torch.empty(1, dtype=torch.int32, device=packed.qk.device)  # per call: streams never share it
+    load_module().sage_attention(packed.qk, packed.v_t, packed.v_starts, out, packed.q_scale, packed.k_scale,
+                                 cu_seqlens, tile_counter, heads_q, heads_kv, max(seqlens), Q_BLOCK, packed.k_block,
+                                 kv_step, float(scale), float(skip_factor))
     v_scale = packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1) if heads_q != heads_kv else packed.v_scale
     if len(set(seqlens)) == 1:
         out.view(len(seqlens), seqlens[0], heads_q, HEAD_DIM).mul_(v_scale[:, None])

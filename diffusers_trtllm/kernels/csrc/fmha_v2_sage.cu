@@ -1,9 +1,9 @@
 // diffusers-trtllm: host binding for TRT-LLM FMHAv2's warp-specialized SAGE kernels (sm_90, e4m3 Q/K/V, bf16 out).
 //
 // FlashInfer ships the kernels' sources and generator but its fmha_v2_run never fills `params.sage`; this file
-// does, for the kernels that diffusers_trtllm/kernels/fmha_v2_sage.py generates (padding mask, PACKED_QKV layout).
-// The generated header "sage_kernels.h" declares those kernels' launchers and `launch_sage_kernel`, which picks one
-// by (q block, k block, KV step, skip-softmax).
+// does, for the kernels that diffusers_trtllm/kernels/fmha_v2_sage.py generates (padding mask, PACKED_QKV layout for
+// Q and K, V read transposed by its patched DMA code). The generated header "sage_kernels.h" declares those
+// kernels' launchers and `launch_sage_kernel`, which picks one by (q block, k block, KV step, skip-softmax).
 
 #include <fused_multihead_attention.h>
 
@@ -23,7 +23,10 @@ uint32_t float_bits(float value) {
 
 }  // namespace
 
-// qkv:          [total_tokens, heads_q + 2 * heads_kv, 128] float8_e4m3fn (Q heads, then K heads, then V heads)
+// qk:           [total_tokens, heads_q + heads_kv, 128] float8_e4m3fn (Q heads, then K heads)
+// v_t:          [heads_kv, 128, columns] float8_e4m3fn, V transposed, keys in the kernel's P order within 16-key
+//               groups, zeros between sequences
+// v_starts:     [batch + 1] int32, sequence b's first column in v_t
 // out:          [total_tokens, heads_q, 128] bfloat16
 // q_scale:      [batch, heads_q, ceil(max_seqlen / q_block)] float32, block i of sequence b covers its tokens
 //               [i * q_block, (i + 1) * q_block)
@@ -31,26 +34,33 @@ uint32_t float_bits(float value) {
 //               is 0 (the caller folded K's scale into q_scale)
 // cu_seqlens:   [batch + 1] int32 (queries and keys of a sequence are the same tokens)
 // tile_counter: [1] int32 scratch for the persistent scheduler, owned by the caller's stream
-void sage_attention(ffi::TensorView qkv, ffi::TensorView out, ffi::TensorView q_scale, ffi::TensorView k_scale,
-                    ffi::TensorView cu_seqlens, ffi::TensorView tile_counter, int64_t heads_q, int64_t heads_kv,
-                    int64_t max_seqlen, int64_t q_block, int64_t k_block, int64_t kv_step, double softmax_scale,
+void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_starts, ffi::TensorView out,
+                    ffi::TensorView q_scale, ffi::TensorView k_scale, ffi::TensorView cu_seqlens,
+                    ffi::TensorView tile_counter, int64_t heads_q, int64_t heads_kv, int64_t max_seqlen,
+                    int64_t q_block, int64_t k_block, int64_t kv_step, double softmax_scale,
                     double skip_softmax_threshold_scale_factor) {
-  TVM_FFI_ICHECK_EQ(qkv.dtype(), dl_float8_e4m3fn) << "qkv must be float8_e4m3fn";
+  TVM_FFI_ICHECK_EQ(qk.dtype(), dl_float8_e4m3fn) << "qk must be float8_e4m3fn";
+  TVM_FFI_ICHECK_EQ(v_t.dtype(), dl_float8_e4m3fn) << "v_t must be float8_e4m3fn";
   TVM_FFI_ICHECK_EQ(out.dtype(), dl_bfloat16) << "out must be bfloat16";
   TVM_FFI_ICHECK_EQ(q_scale.dtype(), dl_float32) << "q_scale must be float32";
   TVM_FFI_ICHECK_EQ(cu_seqlens.dtype(), dl_int32) << "cu_seqlens must be int32";
-  TVM_FFI_ICHECK_EQ(qkv.ndim(), 3) << "qkv must be [tokens, heads_q + 2 * heads_kv, head_dim]";
-  TVM_FFI_ICHECK_EQ(qkv.shape()[1], heads_q + 2 * heads_kv) << "qkv's head count is not heads_q + 2 * heads_kv";
+  TVM_FFI_ICHECK_EQ(v_starts.dtype(), dl_int32) << "v_starts must be int32";
+  TVM_FFI_ICHECK_EQ(qk.ndim(), 3) << "qk must be [tokens, heads_q + heads_kv, head_dim]";
+  TVM_FFI_ICHECK_EQ(qk.shape()[1], heads_q + heads_kv) << "qk's head count is not heads_q + heads_kv";
   TVM_FFI_ICHECK_EQ(heads_q % heads_kv, 0) << "heads_q must be a multiple of heads_kv";
-  const int64_t head_dim = qkv.shape()[2];
-  const int64_t total_tokens = qkv.shape()[0];
+  const int64_t head_dim = qk.shape()[2];
+  TVM_FFI_ICHECK(v_t.ndim() == 3 && v_t.shape()[0] == heads_kv && v_t.shape()[1] == head_dim)
+      << "v_t must be [heads_kv, head_dim, columns]";
+  TVM_FFI_ICHECK_EQ(v_t.shape()[2] % 16, 0) << "v_t's columns must be a multiple of 16 (TMA row stride)";
+  const int64_t total_tokens = qk.shape()[0];
   const int64_t batch = cu_seqlens.shape()[0] - 1;
 
   bert::Fused_multihead_attention_params_v2 params;
   std::memset(&params, 0, sizeof(params));
-  params.qkv_ptr = qkv.data_ptr();
-  params.q_stride_in_bytes = params.k_stride_in_bytes = params.v_stride_in_bytes =
-      (heads_q + 2 * heads_kv) * head_dim;  // one byte per e4m3 element
+  params.qkv_ptr = qk.data_ptr();
+  params.q_stride_in_bytes = params.k_stride_in_bytes = (heads_q + heads_kv) * head_dim;  // one byte per element
+  params.v_ptr = v_t.data_ptr();
+  params.v_stride_in_bytes = v_t.shape()[2];
   params.o_ptr = out.data_ptr();
   params.o_stride_in_bytes = heads_q * head_dim * 2;
   params.b = static_cast<int>(batch);
@@ -61,7 +71,8 @@ void sage_attention(ffi::TensorView qkv, ffi::TensorView out, ffi::TensorView q_
   params.d = params.dv = static_cast<int>(head_dim);
   params.num_grouped_heads = 1;
   params.sliding_window_size = INT_MAX;
-  params.cu_q_seqlens = params.cu_kv_seqlens = static_cast<int*>(cu_seqlens.data_ptr());
+  params.cu_q_seqlens = static_cast<int*>(cu_seqlens.data_ptr());
+  params.cu_kv_seqlens = static_cast<int*>(v_starts.data_ptr());  // the patched DMA's V^T columns
   // Warp-specialized kernels take the bmm1 scale in the log2 domain (they use exp2).
   params.scale_bmm1 = float_bits(static_cast<float>(softmax_scale * M_LOG2E));
   params.scale_softmax = float_bits(1.f);
@@ -93,7 +104,7 @@ void sage_attention(ffi::TensorView qkv, ffi::TensorView out, ffi::TensorView q_
   FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.multi_processor_count, cudaDevAttrMultiProcessorCount, device));
   FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.device_l2_cache_size, cudaDevAttrL2CacheSize, device));
 
-  cudaStream_t stream = get_stream(qkv.device());
+  cudaStream_t stream = get_stream(qk.device());
   TVM_FFI_ICHECK(launch_sage_kernel(static_cast<int>(q_block), static_cast<int>(k_block),
                                     static_cast<int>(kv_step), launch.enable_skip_softmax, params, launch, stream))
       << "no SAGE kernel was built for q_block " << q_block << ", k_block " << k_block << ", kv_step " << kv_step
