@@ -282,8 +282,8 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float, data_tile: int = 128) -
 
 def skip_floor(tokens: int, heads: int, cudnn_ms: float) -> None:
     """Each skipping kernel with every KV tile after the first skipped (factor 1e9: λ ≥ 1 makes every later tile
-    negligible): what a skipped tile still costs (Q·Kᵀ, the tile max, loading K and V, and for fp8 FMHAv2 the
-    producer warpgroup's V transpose), the bound on any Skip-Softmax speed-up."""
+    negligible): what a skipped tile still costs (Q·Kᵀ, the tile max and vote, loading K and V), the bound on any
+    Skip-Softmax speed-up."""
     q, k, v = random_qkv(tokens, heads)
     runs = [("FMHAv2 bf16", lambda f: fmha_bf16(q, k, v, f)),
             ("Triton SAGE int8", lambda f: triton(q, k, v, "int8", f))]

@@ -202,10 +202,15 @@ def _v_columns(start, n):
     return torch.tensor([start + j - j % 16 + order[j % 16] for j in range(n)])
 
 
-def test_v_key_order_is_a_permutation_of_each_16_key_group():
+# V^T row of each channel: FMHAv2's transposer stores even channels of each 16 in rows 0-7, odd ones in rows 8-15.
+V_ROWS = torch.tensor([16 * (d // 16) + (d % 16) // 2 + 8 * (d % 2) for d in range(128)])
+
+
+def test_v_orders_permute_each_group_of_16():
     columns = _v_columns(0, 32)
-    assert sorted(columns.tolist()) == list(range(32))
+    assert sorted(columns.tolist()) == list(range(32)) and sorted(V_ROWS.tolist()) == list(range(128))
     assert columns[:16].tolist() == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+    assert V_ROWS[:16].tolist() == [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
 
 
 def test_v_t_outside_the_sequences_holds_zeros(interpreted):
@@ -230,7 +235,7 @@ def test_packed_quantizer_matches_reference_bit_for_bit(interpreted, k_block):
         assert torch.equal(packed.qk[rows, :HEADS_Q].float(), ref.q)
         assert torch.equal(packed.qk[rows, HEADS_Q:].float(), ref.k)
         columns = _v_columns(packed.v_starts[i].item(), n)
-        assert torch.equal(packed.v_t[:, :, columns].permute(2, 0, 1).float(), ref.v)
+        assert torch.equal(packed.v_t[:, V_ROWS][:, :, columns].permute(2, 0, 1).float(), ref.v)
         assert torch.equal(packed.v_scale[i], ref.v_scale)
         q_scale = packed.q_scale[i].repeat_interleave(64, 1)[:, :n].T[..., None]
         if k_block:

@@ -274,7 +274,7 @@ class PackedSage(NamedTuple):
 
     ``qk``: ``[T, Hq + Hkv, 128]`` float8_e4m3fn (Q heads, then K heads, per token); ``v_t``: ``[Hkv, 128,
     columns]`` float8_e4m3fn, V transposed in :func:`~diffusers_trtllm.kernels.triton_sage.quantize_into`'s
-    ``v_mma_key_order`` (sequence ``i`` from column ``v_starts[i]``, zeros between sequences); ``v_starts``:
+    ``v_fmha_v2_order`` (sequence ``i`` from column ``v_starts[i]``, zeros between sequences); ``v_starts``:
     ``[B + 1]`` int32; ``q_scale``: ``[B, Hq, ceil(max_len / 64)]`` float32 (times K's scale when ``k_block`` is
     0); ``k_scale``: ``[B, Hq, ceil(max_len / k_block)]`` float32 per query head (empty when ``k_block`` is 0);
     ``v_scale``: ``[B, Hkv, 128]`` float32.
@@ -314,7 +314,7 @@ def sage_quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          device=device)
     v_scale = torch.empty(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
     targets = triton_sage.QuantizeTargets(qk[:, :heads_q], q_scale, qk[:, heads_q:], k_scale, v_t, v_scale,
-                                          scales_by_sequence=True, v_transposed=True, v_mma_key_order=True)
+                                          scales_by_sequence=True, v_transposed=True, v_fmha_v2_order=True)
     triton_sage.quantize_into(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, targets,
                               dtype_qk="fp8_e4m3", q_block=Q_BLOCK, k_block=k_block)
     if heads_q != heads_kv and k_block:  # the kernel indexes K scales by query head

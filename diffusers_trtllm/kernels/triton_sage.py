@@ -134,9 +134,11 @@ class QuantizeTargets(NamedTuple):
     values. ``q_scale`` / ``k_scale``: ``[B, H, blocks]`` float32 when ``scales_by_sequence`` (sequence ``i``'s
     block ``j`` at ``[i, h, j]``), else :class:`SageQuantized`'s packed ``[H, columns]``; ``k_scale`` is unused
     with ``k_block`` 0. ``v``: ``[Tk, Hkv, D]`` fp8 (token and head strides) unless ``v_transposed``
-    (:class:`SageQuantized`'s ``v_t``). ``v_scale``: ``[B, Hkv, D]`` float32. ``v_mma_key_order`` (with
-    ``v_transposed``): within each 16-key group of a sequence, column ``4·a + b`` holds key
-    ``2·a + b % 2 + 8·(b // 2)``, the order in which FMHAv2 packs P's accumulator into its fp8 P·V operand.
+    (:class:`SageQuantized`'s ``v_t``). ``v_scale``: ``[B, Hkv, D]`` float32. ``v_fmha_v2_order`` (with
+    ``v_transposed``): keys and channels in the order FMHAv2's fp8 V transpose leaves them in shared memory
+    (its ``Transposer``: LDSM.T, byte permutes, STSM): within each 16-key group of a sequence, column ``4·a + b``
+    holds key ``2·a + b % 2 + 8·(b // 2)`` (the order in which FMHAv2 packs P's accumulator into its fp8 P·V
+    operand); within each 16-channel group, rows 0-7 hold the even channels and rows 8-15 the odd ones.
     """
 
     q: torch.Tensor
@@ -147,7 +149,7 @@ class QuantizeTargets(NamedTuple):
     v_scale: torch.Tensor
     scales_by_sequence: bool
     v_transposed: bool
-    v_mma_key_order: bool = False
+    v_fmha_v2_order: bool = False
 
 
 def scale_columns(tokens: int, batch: int, block: int) -> int:
@@ -232,7 +234,7 @@ def quantize_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         head_stride(k_scale), seq_stride(k_scale), q_chunks, heads_q, heads_kv,
         QMAX=INT8_MAX if dtype_qk == "int8" else FP8_MAX, QK_INT8=dtype_qk == "int8",
         Q_BLOCK=q_block, K_BLOCK=k_block, SCALES_BY_SEQUENCE=targets.scales_by_sequence,
-        V_TRANSPOSED=targets.v_transposed, V_MMA_KEY_ORDER=targets.v_mma_key_order, TOKENS=tokens, HEAD_DIM=HEAD_DIM, num_warps=4 if tokens <= 64 else 8)
+        V_TRANSPOSED=targets.v_transposed, V_FMHA_V2_ORDER=targets.v_fmha_v2_order, TOKENS=tokens, HEAD_DIM=HEAD_DIM, num_warps=4 if tokens <= 64 else 8)
 
 
 def sage_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -422,13 +424,13 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, 
                           k_scale_seq_stride, q_chunks, heads_q, heads_kv,
                           QMAX: tl.constexpr, QK_INT8: tl.constexpr, Q_BLOCK: tl.constexpr,
                           K_BLOCK: tl.constexpr, SCALES_BY_SEQUENCE: tl.constexpr, V_TRANSPOSED: tl.constexpr,
-                          V_MMA_KEY_ORDER: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                          V_FMHA_V2_ORDER: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One pass over Q, K, V: programs [0, q_chunks) quantize TOKENS query rows of one head, the rest quantize
     TOKENS key/value rows of one kv head (K smoothed by k_sum / length; V by v_amax / 448).
 
     K_BLOCK 0: one K scale per sequence and head (from the K range statistics), folded into Q's block scales;
     no K scales are stored. V_TRANSPOSED: V goes to the attention kernel's ``[Hkv, D, columns]`` layout (strides
-    0/1: head/channel), keys permuted within 16-key groups when V_MMA_KEY_ORDER (:class:`QuantizeTargets`), else
+    0/1: head/channel), keys permuted within 16-key groups when V_FMHA_V2_ORDER (:class:`QuantizeTargets`), else
     to ``[tokens, Hkv, D]`` (strides 0/1: token/head)."""
     chunk, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dims = tl.arange(0, HEAD_DIM)
@@ -487,11 +489,13 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, 
             v_start = _V_TOKEN_ALIGN * ((start + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN + seq)
             padded_length = (length + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN * _V_TOKEN_ALIGN
             v_t_head = v_out_ptr + head.to(tl.int64) * v_out_stride_0
-            columns = tokens
-            if V_MMA_KEY_ORDER:
+            key_columns, channel_rows = tokens, dims
+            if V_FMHA_V2_ORDER:
                 key = tokens % 16
-                columns = tokens - key + 4 * ((key % 8) // 2) + key % 2 + 2 * (key // 8)
-            tl.store(v_t_head + dims[None, :] * v_out_stride_1 + (v_start + columns)[:, None],
+                key_columns = tokens - key + 4 * ((key % 8) // 2) + key % 2 + 2 * (key // 8)
+                channel = dims % 16
+                channel_rows = dims - channel + channel // 2 + 8 * (channel % 2)
+            tl.store(v_t_head + channel_rows[None, :] * v_out_stride_1 + (v_start + key_columns)[:, None],
                      v.to(tl.float8e4nv), mask=(tokens < padded_length)[:, None])
         else:
             tl.store(v_out_ptr + rows * v_out_stride_0 + head * v_out_stride_1 + dims[None, :],
