@@ -3,15 +3,16 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
 
 1. Build: the FMHAv2 SAGE module (``kernels.fmha_v2_sage``) and FlashInfer's FMHAv2 bf16 module, concurrently.
 2. Accuracy at small shapes (ragged batch, GQA): every compiled (K block, KV step) against the reference of its
-   semantics (``backends.reference`` with FMHAv2's blocks, P·256, 64 × kv_step skip tiles) and against exact
+   semantics (``backends.reference`` with FMHAv2's blocks, P·256, 64 × 128 skip tiles in kv_step steps) and exact
    float32 attention, dense and with Skip-Softmax.
 3. Speed at Wan 2.2's self-attention shape (75,600 tokens × 40 heads × 128, batch 1, random N(0, 1) data),
    quantization included: cuDNN SDPA, FMHAv2 bf16, FMHAv2 SAGE fp8 for each kernel, Triton SAGE fp8 / int8, and
    FlashAttention-4 when importable. TFLOP/s counts 4·S²·D·H. Error vs float32 exact attention on two heads.
 4. Skip-Softmax on data that follows NVIDIA's published Wan 2.2 curve (benchmarks/data.py ``published_curve``)
-   at s = 0.3, 0.5, 0.65, 0.75: the reference's sparsity (128 × 128 and the FMHAv2 SAGE tiles), time and ×cuDNN of
+   at s = 0.3, 0.5, 0.65, 0.75: the reference's sparsity (128 × 128, FMHAv2 SAGE's 64 × 128 decisions in 256-key
+   steps, and whole 64 × 256 steps as FlashInfer's kernel decides them), time and ×cuDNN of
    FMHAv2 bf16 + skip, Triton SAGE + skip and FMHAv2 SAGE + skip, error vs each one's own dense output;
-   ``curve256``: the same with one offset per 256 keys (the curve holds at 128 × 128 and at FMHAv2 fp8's 64 × 256).
+   ``curve256``: the same with one offset per 256 keys (structure as coarse as the kernel's KV step).
 5. ``floor``: each skipping kernel with every tile after the first skipped (what a skipped tile still costs).
 6. ``ratio``: cuDNN SDPA and the default FMHAv2 SAGE kernel timed alternately, the per-round ratio's median/range.
 
@@ -94,7 +95,8 @@ def exact(q, k, v) -> torch.Tensor:
 
 
 def fmha_semantics(kernel) -> SageSemantics:
-    return SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, kernel.k_block, p_scale=fmha_v2_sage.P_SCALE)
+    return SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, kernel.k_block, p_scale=fmha_v2_sage.P_SCALE,
+                         kv_step=kernel.kv_step)
 
 
 def cu(lengths, device="cuda") -> torch.Tensor:
@@ -189,7 +191,8 @@ def accuracy() -> None:
                 rows = slice(starts[i], starts[i] + n)
                 ref, s, t = reference_attention(qq[rows].float(), kk[rows].float(), vv[rows].float(), SCALE,
                                                 skip_lambda=factor / n, quant=fmha_semantics(kernel),
-                                                tile=fmha_v2_sage.skip_tile(kernel.kv_step), query_chunk=4096)
+                                                tile=fmha_v2_sage.SKIP_TILE, kv_step=kernel.kv_step,
+                                                query_chunk=4096)
                 refs.append(ref)
                 exacts.append(reference_attention(qq[rows].float(), kk[rows].float(), vv[rows].float(), SCALE,
                                                   query_chunk=4096)[0])
@@ -258,11 +261,12 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float, data_tile: int = 128) -
     for s in SPARSITIES:
         factor = skip_factor(s)
         sparsity = {}
-        for tile in ((128, 128), *sorted({fmha_v2_sage.skip_tile(kr.kv_step) for kr in skip_kernels})):
+        for name, tile, kv_step in (("128x128", (128, 128), None), ("64x128 in 256-key steps", (64, 128), 256),
+                                    ("64x256", (64, 256), None)):
             _, skipped, total = reference_attention(q[:, :ERROR_HEADS].float(), k[:, :ERROR_HEADS].float(),
                                                     v[:, :ERROR_HEADS].float(), SCALE, skip_lambda=factor / tokens,
-                                                    tile=tile, query_chunk=8192)
-            sparsity[f"{tile[0]}x{tile[1]}"] = float(skipped) / float(total)
+                                                    tile=tile, kv_step=kv_step, query_chunk=8192)
+            sparsity[name] = float(skipped) / float(total)
         log(section, s=s, factor=factor, reference_sparsity=sparsity)
         runs = [("FMHAv2 bf16 + skip", "FMHAv2 bf16", lambda: fmha_bf16(q, k, v, factor)),
                 ("Triton SAGE int8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "int8", factor)),

@@ -33,13 +33,15 @@ _TINY = 1e-12  # keeps an all-zero block's scale finite
 @dataclass(frozen=True)
 class SageSemantics:
     """What one SAGE kernel computes: Q/K dtype and blocks (tokens; ``k_block`` 0 = one scale per sequence and
-    head), P's fp8 scale, and whether K's mean and V's scales are batch-wide."""
+    head), P's fp8 scale, whether K's mean and V's scales are batch-wide, and the keys per online-softmax step its
+    Skip-Softmax decisions compare against (``None``: each decision tile is its own step)."""
 
     dtype_qk: str
     q_block: int
     k_block: int
     p_scale: float = P_SCALE
     batch_stats: bool = False
+    kv_step: int | None = None
 
 
 def qmax(dtype_qk: str) -> float:

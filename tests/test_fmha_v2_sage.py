@@ -19,6 +19,7 @@ import torch
 
 from diffusers_trtllm.backends import run_backend, trtllm
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
+from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.errors import AttentionConfigError
 from diffusers_trtllm.kernels import fmha_v2_sage
@@ -61,11 +62,16 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
                 f"{str(kernel.skip_softmax).lower()}") in header
 
 
-def test_sources_carry_every_v_layout_patch_and_the_build_reads_them_first():
+def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
-    for path, old, new in fmha_v2_sage.V_LAYOUT_PATCHES:
+    for path, old, new in (*fmha_v2_sage.V_LAYOUT_PATCHES, *fmha_v2_sage.HALF_STEP_SKIP_PATCHES):
         assert sources[path].count(new) == 1 and (old in new or old not in sources[path])
     assert "DMA_GROUP_TRANSPOSE_V = 0" in sources["fmha/warpspec/kernel_traits.h"]
+    # half-step skips: both halves voted, the exps and the BMM2 K group of a skipped half left out
+    epilogue, compute = sources["fmha/warpspec/epilogue.h"], sources["fmha/warpspec/compute.h"]
+    assert "uint32_t(skip) | (uint32_t(skip_second) << 1)" in epilogue
+    assert epilogue.count("DIFFUSERS_TRTLLM_EXP_CORES(") == 3  # the macro and the two half-step calls
+    assert "*skip_softmax_vote = 3u;" in compute and compute.count("softmax.skipped_half_ != ") == 2
     flags = fmha_v2_sage.nvcc_flags(fmha_v2_sage.pathlib.Path("/generated"))
     includes = [flag for flag in flags if flag.startswith("-I")]
     assert includes[0] == "-I/generated" and any(flag.endswith("fmha_v2") for flag in includes[1:])
@@ -151,7 +157,7 @@ def test_semantics_by_gpu(monkeypatch):
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
     fp8 = AttnQuantSpec("fp8_e4m3")
     assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20)) == SageSemantics(
-        "fp8_e4m3", 64, trtllm.FMHA_V2_DEFAULT_K_BLOCK, p_scale=256.0)
+        "fp8_e4m3", 64, trtllm.FMHA_V2_DEFAULT_K_BLOCK, p_scale=256.0, kv_step=256)
     assert trtllm.sage_semantics(fp8, "cuda", (10,), (20,)) == SageSemantics("fp8_e4m3", 1, 16)
     assert trtllm.sage_semantics(AttnQuantSpec("int8"), "cuda") == SageSemantics("int8", 1, 16)
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_100")
@@ -276,8 +282,7 @@ def test_gpu_fmha_v2_sage_matches_reference_of_its_semantics(k_block, skip_facto
     _hopper()
     qkv = _peaky((1000, 3001), 8, 2)
     quant = AttnQuantSpec("fp8_e4m3", None if k_block is None else 64, k_block)
-    tile = fmha_v2_sage.skip_tile(trtllm.FMHA_V2_KV_STEP)
-    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=quant, skip_factor=skip_factor, tile=tile)
+    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=quant, skip_factor=skip_factor, tile=fmha_v2_sage.SKIP_TILE)
     out = run_backend("TRTLLM_ATTN", qkv, plan).out
     ref = run_backend("TORCH_REFERENCE", qkv, plan)
     exact = run_backend("TORCH_REFERENCE", qkv, KernelPlan("TORCH_REFERENCE", SCALE))
@@ -288,6 +293,40 @@ def test_gpu_fmha_v2_sage_matches_reference_of_its_semantics(k_block, skip_facto
     # on an H200); a skip decision the kernel took differently from the reference would add far more.
     assert _rel(out, ref.out) < 1.6e-2
     assert _rel(out, exact.out) < 9e-2  # what SAGE costs here (6.7e-2 measured)
+
+
+def _offset_tiles(length, heads, tile=128):
+    """Scores ≈ one offset per (head, ``tile`` keys): a quarter of the tiles at 0, the rest at -3 nats, over small
+    noise; at λ = 0.1 every -3 tile is negligible yet carries e^-3 of a 0 tile's weight, so a skip the kernel
+    took or missed against the reference moves the output by far more than the fp8 rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q = 0.3 * torch.randn(length, heads, 128, device="cuda", generator=gen)
+    k = 0.3 * torch.randn(length, heads, 128, device="cuda", generator=gen)
+    v = torch.randn(length, heads, 128, device="cuda", generator=gen)
+    tiles = -(-length // tile)
+    offsets = torch.where(torch.rand(heads, tiles, device="cuda", generator=gen) < 0.25, 0.0, -3.0)
+    q[..., 0] = 1.0
+    k[..., 0] = offsets.repeat_interleave(tile, dim=1)[:, :length].T * 128 ** 0.5
+    return VarlenQKV(q.bfloat16(), k.bfloat16(), v.bfloat16(), (length,), (length,))
+
+
+@pytest.mark.gpu
+def test_gpu_skips_halves_of_a_kv_step_where_only_one_half_is_negligible():
+    _hopper()
+    qkv = _offset_tiles(4096, 4)
+    length = qkv.seqlens_q[0]
+    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=AttnQuantSpec("fp8_e4m3"), skip_factor=0.1 * length,
+                      tile=fmha_v2_sage.SKIP_TILE)
+    out = run_backend("TRTLLM_ATTN", qkv, plan).out
+    ref = run_backend("TORCH_REFERENCE", qkv, plan)
+    semantics = trtllm.sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv)
+    whole_steps, skipped_steps, steps = reference_attention(qkv.q.float(), qkv.k.float(), qkv.v.float(), SCALE,
+                                                            skip_lambda=0.1, quant=semantics, tile=(64, 256))
+    dense = run_backend("TRTLLM_ATTN", qkv, KernelPlan("TRTLLM_ATTN", SCALE, quant=plan.quant)).out
+    # half-step decisions skip far more than whole steps would on this data
+    assert ref.skipped_tiles / ref.total_tiles > skipped_steps / steps + 0.2
+    assert _rel(out, ref.out) < 1.6e-2
+    assert _rel(out, whole_steps) > 3 * _rel(out, ref.out) and _rel(out, dense) > 3 * _rel(out, ref.out)
 
 
 @pytest.mark.gpu

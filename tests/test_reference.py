@@ -70,31 +70,58 @@ def test_skipped_tiles_grow_with_lambda_and_error_stays_small_where_attention_is
     assert max(errors) < 0.1
 
 
-def brute_force_skip_decisions(q, k, scale, lam, tile):
-    """Independent restatement of the rule: for each (head, q tile), walk KV tiles keeping the running max of
-    the tiles not skipped; skip when every row's exp(tile max - running max) < λ."""
+def brute_force_skip_decisions(q, k, scale, lam, tile, kv_step=None):
+    """Independent restatement of the rule: for each (head, q tile), walk KV steps keeping the running max of
+    the tiles not skipped; a tile is skipped when every row's exp(tile max - running max at its step's start) < λ."""
     tq, tk = tile
+    step = kv_step or tk
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
     h, sq, skv = s.shape
     skipped = 0
     for head in range(h):
         for r0 in range(0, sq, tq):
             running = torch.full((min(tq, sq - r0),), -math.inf, dtype=s.dtype)
-            for c0 in range(0, skv, tk):
-                tile_max = s[head, r0:r0 + tq, c0:c0 + tk].amax(-1)
-                if bool(torch.all(torch.exp(tile_max - running) < lam)):
-                    skipped += 1
-                else:
-                    running = torch.maximum(running, tile_max)
+            for j0 in range(0, skv, step):
+                at_start = running.clone()
+                for c0 in range(j0, min(j0 + step, skv), tk):
+                    tile_max = s[head, r0:r0 + tq, c0:c0 + tk].amax(-1)
+                    if bool(torch.all(torch.exp(tile_max - at_start) < lam)):
+                        skipped += 1
+                    else:
+                        running = torch.maximum(running, tile_max)
     return skipped
 
 
-@pytest.mark.parametrize("tile", [(128, 128), (64, 128), (32, 64)])
-def test_skip_decisions_match_a_brute_force_restatement_of_the_rule(tile):
+@pytest.mark.parametrize("tile,kv_step", [((128, 128), None), ((64, 128), None), ((32, 64), None),
+                                          ((64, 128), 256), ((32, 64), 256)])
+def test_skip_decisions_match_a_brute_force_restatement_of_the_rule(tile, kv_step):
     q, k, v = local_qkv(s=640, h=2, d=32, sharpness=4.0)
     for lam in (0.01, 0.2):
-        _, skipped, _ = reference_attention(q, k, v, 32 ** -0.5, skip_lambda=lam, tile=tile)
-        assert skipped == brute_force_skip_decisions(q, k, 32 ** -0.5, lam, tile)
+        _, skipped, _ = reference_attention(q, k, v, 32 ** -0.5, skip_lambda=lam, tile=tile, kv_step=kv_step)
+        assert skipped == brute_force_skip_decisions(q, k, 32 ** -0.5, lam, tile, kv_step)
+
+
+def test_tiles_of_one_step_are_decided_against_the_running_max_at_its_start():
+    # One query; keys in tiles of 2. Step 1 (keys 0-3) sets the running max to 0; in step 2, keys 4-5 score 10
+    # and keys 6-7 score 5. Against the running max at step 2's start (0) keys 6-7 are far from negligible;
+    # against the max after keys 4-5 (10) they are (e^-5 < λ = 0.01).
+    scores = torch.tensor([0.0, 0.0, 0.0, 0.0, 10.0, 10.0, 5.0, 5.0], dtype=torch.float64)
+    q = torch.ones(1, 1, 1, dtype=torch.float64)
+    k = scores[:, None, None]
+    v = torch.arange(8, dtype=torch.float64)[:, None, None]
+    weights = torch.softmax(scores, 0)
+    without_last = torch.softmax(scores[:6], 0)
+    stepped, skipped_stepped, total = reference_attention(q, k, v, 1.0, skip_lambda=0.01, tile=(1, 2), kv_step=4)
+    per_tile, skipped_per_tile, _ = reference_attention(q, k, v, 1.0, skip_lambda=0.01, tile=(1, 2))
+    assert (skipped_stepped, skipped_per_tile, total) == (0, 1, 4)
+    assert torch.allclose(stepped.flatten(), weights @ v.flatten(), rtol=1e-12)
+    assert torch.allclose(per_tile.flatten(), without_last @ v.flatten()[:6], rtol=1e-12)
+
+
+def test_kv_step_must_hold_whole_tiles():
+    q = torch.randn(8, 1, 16)
+    with pytest.raises(ValueError, match="kv_step=192 is not a multiple of the tile's 128 keys"):
+        reference_attention(q, q, q, 1.0, skip_lambda=0.1, kv_step=192)
 
 
 def test_int8_block_quantization_error_is_at_most_half_a_step():

@@ -12,8 +12,8 @@ Computation runs in float32 (float64 when the inputs are float64); the output is
 SAGE follows the semantics of the kernel ``TRTLLM_ATTN`` runs for the plan's quantization on the tensors' GPU
 (:func:`~.trtllm.sage_semantics`: per-sequence or batch-wide K mean and V scales, block sizes, P's fp8 scale), so
 the reference and the kernel agree to the output rounding; on a CPU, this package's Triton kernel's semantics.
-Skip decisions are per ``plan.tile`` (the Hopper FMHAv2 SAGE kernel decides per 64 × 256: pass that tile to
-reproduce it exactly).
+Skip decisions are per ``plan.tile``, against the running max at the start of the kernel's online-softmax step
+(the Hopper FMHAv2 SAGE kernel decides per 64 × 128 within 256-key steps: that tile reproduces it exactly).
 """
 
 from __future__ import annotations
@@ -40,22 +40,28 @@ def mask_future_keys(scores: torch.Tensor, q_start: int, k_start: int, sq: int, 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
                         skip_lambda: float = 0.0, quant: SageSemantics | None = None,
-                        tile: tuple[int, int] = (128, 128), query_chunk: int = QUERY_CHUNK,
-                        k_mean: torch.Tensor | None = None,
+                        tile: tuple[int, int] = (128, 128), kv_step: int | None = None,
+                        query_chunk: int = QUERY_CHUNK, k_mean: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
     """Attention of one sequence. q ``[Sq, Hq, D]``, k/v ``[Skv, Hkv, D]`` (GQA when Hkv < Hq).
 
     ``skip_lambda`` is λ (0 = dense); ``quant`` the :class:`~diffusers_trtllm.quant.SageSemantics` of a SAGE
     kernel, or None. ``k_mean`` / ``v_scale`` ``[Hkv, D]``: batch-wide statistics replacing the sequence's own
-    (:func:`~diffusers_trtllm.quant.batch_statistics`). Returns ``(out [Sq, Hq, D] in q's dtype, skipped tiles,
-    total tiles)``; tiles count (head, query tile, KV tile) triples. ``causal`` aligns the last query with the
-    last key (bottom-right, as FlashInfer's kernels and ``TORCH_SDPA``); a query that sees no key gets 0.
+    (:func:`~diffusers_trtllm.quant.batch_statistics`). ``kv_step``: keys per online-softmax step (a multiple of
+    ``tile[1]``, default ``tile[1]``); every tile of a step is decided against the running max at the step's
+    start (the FMHAv2 SAGE kernel decides per 128-key half of its 256-key step). Returns ``(out [Sq, Hq, D] in
+    q's dtype, skipped tiles, total tiles)``; tiles count (head, query tile, KV tile) triples. ``causal`` aligns
+    the last query with the last key (bottom-right, as FlashInfer's kernels and ``TORCH_SDPA``); a query that
+    sees no key gets 0.
     """
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     sq, hq, d = q.shape
     skv, hkv = k.shape[:2]
     tq, tk = tile
+    step = tk if kv_step is None else kv_step
+    if step % tk:
+        raise ValueError(f"kv_step={kv_step!r} is not a multiple of the tile's {tk} keys")
     chunk = max(tq, query_chunk // tq * tq)
     q, k, v = (x.to(compute) for x in (q, k, v))
     if hkv != hq:
@@ -79,38 +85,37 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         acc = torch.zeros(hq, rows, d, dtype=compute, device=q.device)
         ntq = -(-rows // tq)
         row_pad = ntq * tq - rows
-        for j0 in range(0, skv, tk):
-            s = qc @ kh[:, j0:j0 + tk].transpose(1, 2)  # [H, rows, tk]
+        for j0 in range(0, skv, step):
+            s = qc @ kh[:, j0:j0 + step].transpose(1, 2)  # [H, rows, ≤ step]
             if causal:
                 s = mask_future_keys(s, c0, j0, sq, skv)
-            tmax = s.amax(dim=-1)
-            new_m = torch.maximum(m, tmax)
+            cols = s.shape[-1]
+            ntk = -(-cols // tk)
+            # per-tile row maxima [H, rows, ntk]; a partial last tile is padded with -inf
+            tmax = torch.nn.functional.pad(s, (0, ntk * tk - cols), value=-math.inf).view(hq, rows, ntk, tk).amax(-1)
             if skip_lambda > 0.0:
-                # A row finds this tile negligible when it adds nothing (all masked) or when its max is far
-                # below the running max; a row with no running max yet (first tile) never does.
-                below = (tmax == -math.inf) | ((m > -math.inf) & (torch.exp(tmax - m) < skip_lambda))
-                padded = torch.nn.functional.pad(below, (0, row_pad), value=True)
-                tile_skip = padded.view(hq, ntq, tq).all(dim=-1)  # [H, ntq]
+                # A row finds a tile negligible when it adds nothing (all masked) or when its max is far below the
+                # running max at the step's start; a row with no running max yet (first step) never does.
+                started = (m > -math.inf)[..., None]
+                below = (tmax == -math.inf) | (started & (torch.exp(tmax - m[..., None]) < skip_lambda))
+                padded = torch.nn.functional.pad(below, (0, 0, 0, row_pad), value=True)
+                tile_skip = padded.view(hq, ntq, tq, ntk).all(dim=2)  # [H, ntq, ntk]
                 skipped = skipped + tile_skip.sum()  # stays on the device: no sync per tile
-                skip_rows = tile_skip.repeat_interleave(tq, dim=1)[:, :rows]
-                new_m = torch.where(skip_rows, m, new_m)
+                keep_tiles = ~tile_skip.repeat_interleave(tq, dim=1)[:, :rows]  # [H, rows, ntk]
+                tmax = torch.where(keep_tiles, tmax, -math.inf)
+                keep = keep_tiles.repeat_interleave(tk, dim=2)[..., :cols].to(compute)
             else:
-                skip_rows = None
-            total += hq * ntq
+                keep = None
+            total += hq * ntq * ntk
+            new_m = torch.maximum(m, tmax.amax(-1))
             safe_m = torch.where(new_m == -math.inf, torch.zeros_like(new_m), new_m)
             p = torch.exp(s - safe_m[..., None])
+            if keep is not None:
+                p = p * keep  # a skipped tile adds no exp, no P·V and nothing to the running max
             alpha = torch.exp(m - safe_m)
             pv_in = quantize_p(p, quant.p_scale) if quant is not None else p
-            pv = pv_in @ vh[:, j0:j0 + tk]
-            if skip_rows is not None:
-                keep = (~skip_rows).to(compute)
-                p_sum = p.sum(-1) * keep
-                pv = pv * keep[..., None]
-                alpha = torch.where(skip_rows, torch.ones_like(alpha), alpha)
-            else:
-                p_sum = p.sum(-1)
-            lsum = lsum * alpha + p_sum
-            acc = acc * alpha[..., None] + pv
+            lsum = lsum * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + pv_in @ vh[:, j0:j0 + step]
             m = new_m
         # a row that sees no key (causal, more queries than keys) gets 0, as PyTorch's SDPA gives
         out[:, c0:c0 + rows] = torch.where(lsum[..., None] > 0, acc / lsum[..., None], 0.0)
@@ -129,7 +134,8 @@ def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     for (q, k, v, rows), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
         lam = plan.skip_factor / kv_len if plan.skips else 0.0
         o, s, t = reference_attention(q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=semantics,
-                                      tile=plan.tile, k_mean=k_mean, v_scale=v_scale)
+                                      tile=plan.tile, kv_step=semantics.kv_step if semantics else None,
+                                      k_mean=k_mean, v_scale=v_scale)
         out[rows] = o
         skipped += s
         total += t

@@ -32,8 +32,8 @@ Declared constraints (:func:`unavailable_reason` returns the first that fails, a
 - FlashInfer >= 0.6.18 with the arguments these calls pass (read from its signatures).
 
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
-``tile=(128, 128)`` predicts them), per 64 × 256 by the FMHAv2 SAGE kernel, per ``plan.tile`` by the Triton SAGE
-kernel. An explicit ``threshold`` is λ itself: every sequence of a ragged batch gets the factor λ·max_kv_len,
+``tile=(128, 128)`` predicts them), per 64 × 128 by the FMHAv2 SAGE kernel (both halves of a 256-key step against
+the running max at the step's start), per ``plan.tile`` by the Triton SAGE kernel. An explicit ``threshold`` is λ itself: every sequence of a ragged batch gets the factor λ·max_kv_len,
 hence λ_i = λ·max_kv_len / kv_len_i (the kernels take one factor per call); the reference does exactly that.
 """
 
@@ -156,7 +156,8 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     unset = quant.q_block_size is None or quant.k_block_size is None
     if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, equal) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
-        semantics = SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, k_block, p_scale=fmha_v2_sage.P_SCALE)
+        semantics = SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, k_block, p_scale=fmha_v2_sage.P_SCALE,
+                                  kv_step=FMHA_V2_KV_STEP)
         kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
     else:
         q_block = PORTABLE_BLOCKS[0] if quant.q_block_size is None else quant.q_block_size
@@ -275,7 +276,7 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
         out = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), tuple(qkv.seqlens_q),
                                                   plan.scale, k_block=semantics.k_block,
-                                                  kv_step=FMHA_V2_KV_STEP, skip_factor=plan.skip_factor)
+                                                  kv_step=semantics.kv_step, skip_factor=plan.skip_factor)
         return KernelResult(out)
     out, skipped, total = triton_sage.triton_sage_attention(
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),

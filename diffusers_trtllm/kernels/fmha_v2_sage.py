@@ -16,9 +16,10 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   (``compute.h``'s ``APPLY_SCALE_V`` only records them, in FlashInfer 0.7.2 as in TRT-LLM), so the kernel runs
   with V scales of 1 and its bf16 output is multiplied by V's per-channel scales afterwards;
 - P quantized to fp8 as ``P · 256`` (FMHAv2's ``Softmax_fp_quant_scale<e4m3>``); row sums from unquantized P;
-- Skip-Softmax in the same kernel: each warpgroup (64 query rows) skips a KV step (``kv_step`` keys: 256, the
-  generator's choice for e4m3, or 128) when every row's ``exp(tile_max - running_max) < skip_factor / kv_len``,
-  so decisions are per ``64 × kv_step`` tile (:func:`skip_tile`); the first KV step is never skipped.
+- Skip-Softmax in the same kernel: each warpgroup (64 query rows) skips 128 keys (:data:`SKIP_TILE`) when every
+  row's ``exp(tile_max - running_max) < skip_factor / kv_len``, with ``running_max`` the one at the start of the
+  KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart by
+  :data:`HALF_STEP_SKIP_PATCHES`, or 128); the first KV step is never skipped.
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so every
 sequence has as many queries as keys (self-attention), and V already transposed (:data:`V_LAYOUT_PATCHES`).
@@ -66,9 +67,7 @@ def sage_kernels() -> tuple[SageKernel, ...]:
                  for skip in (False, True) if not (k_block == 128 and kv_step != 256))
 
 
-def skip_tile(kv_step: int) -> tuple[int, int]:
-    """(query rows, keys) per skip decision: one warpgroup's 64 rows, one KV step."""
-    return (Q_BLOCK, kv_step)
+SKIP_TILE = (Q_BLOCK, 128)  # (query rows, keys) per skip decision: one warpgroup's rows, half a 256-key step
 
 
 def kernel_spec(kernel: SageKernel):
@@ -161,16 +160,163 @@ V_LAYOUT_PATCHES = (
 )
 
 
+# Skip-Softmax at half a KV step. FlashInfer's kernel decides skips per 64 rows × one KV step (256 keys at e4m3),
+# coarser than the 128 × 128 tiles sparsity is calibrated on: where the negligible keys come in runs of 128, only
+# the steps whose two halves are both negligible are skipped. With these patches each warpgroup decides per
+# 128-key half (both halves against the running max at the step's start) and skips a half's exps and its BMM2 K
+# group (one group of 128 keys per half at e4m3); a step with both halves negligible is skipped as before. The
+# kept path runs FlashInfer's code; the branch around the GMMAs is on a warp-uniform value (shuffled from lane 0),
+# which ptxas needs to keep them pipelined. 128-key-step kernels keep whole-step decisions.
+_HALF_STEPS = "Kernel_traits::STEP_KV == 256"  # one BMM2 K group per 128-key half (fp8: 128 bytes per group)
+HALF_STEP_SKIP_PATCHES = (
+    ("fmha/warpspec/epilogue.h",
+     "  float skip_softmax_threshold;\n",
+     "  float skip_softmax_threshold;\n"
+     "  // diffusers_trtllm: the 128-key half of this KV step the warpgroup skips (0: none, 1: first, 2: second).\n"
+     "  int skipped_half_;\n"),
+    ("fmha/warpspec/epilogue.h",
+     "      float pmax[4] = {elt_[mi][0], elt_[mi][1], elt_[mi][2], elt_[mi][3]};\n"
+     "#pragma unroll\n"
+     "      for (int ni = 4; ni < Mma_tile_p::CORES_N * 2; ni++) {\n"
+     "        pmax[ni & 3] = fmaxf(pmax[ni & 3], elt_[mi][ni]);\n"
+     "      }\n"
+     "      local_max_[mi] = fmaxf(fmaxf(pmax[0], pmax[1]), fmaxf(pmax[2], pmax[3]));\n"
+     "      local_max_[mi] = fmaxf(__shfl_xor_sync(uint32_t(-1), local_max_[mi], 1), local_max_[mi]);\n"
+     "      local_max_[mi] = fmaxf(__shfl_xor_sync(uint32_t(-1), local_max_[mi], 2), local_max_[mi]);\n"
+     "      if constexpr (may_skip) {\n"
+     "        if constexpr (!EXP2F_OPTIMIZATION) {\n"
+     "          skip &= expf(local_max_[mi] - global_max[mi]) < this->skip_softmax_threshold;\n"
+     "        } else {\n"
+     "          skip &= exp2f((local_max_[mi] - global_max[mi]) * scale) < this->skip_softmax_threshold;\n"
+     "        }\n"
+     "      }\n",
+     "      // diffusers_trtllm: the same four chains, two per 128-key half (elements [0, CORES_N) are the first\n"
+     "      // half's columns); decisions on each thread's partial maxima, which the warp vote ANDs anyway.\n"
+     "      constexpr int HALF = Mma_tile_p::CORES_N;\n"
+     "      float pmax[4] = {elt_[mi][0], elt_[mi][1], elt_[mi][HALF], elt_[mi][HALF + 1]};\n"
+     "#pragma unroll\n"
+     "      for (int ni = 2; ni < HALF; ni++) {\n"
+     "        pmax[ni & 1] = fmaxf(pmax[ni & 1], elt_[mi][ni]);\n"
+     "        pmax[2 + (ni & 1)] = fmaxf(pmax[2 + (ni & 1)], elt_[mi][HALF + ni]);\n"
+     "      }\n"
+     "      float const max_first = fmaxf(pmax[0], pmax[1]);\n"
+     "      float const max_second = fmaxf(pmax[2], pmax[3]);\n"
+     "      if constexpr (may_skip) {\n"
+     "        static_assert(EXP2F_OPTIMIZATION, \"diffusers_trtllm's half-step skips patch the exp2f path\");\n"
+     "        skip &= exp2f((max_first - global_max[mi]) * scale) < this->skip_softmax_threshold;\n"
+     "        skip_second &= exp2f((max_second - global_max[mi]) * scale) < this->skip_softmax_threshold;\n"
+     "      }\n"
+     "      local_max_[mi] = fmaxf(max_first, max_second);\n"
+     "      local_max_[mi] = fmaxf(__shfl_xor_sync(uint32_t(-1), local_max_[mi], 1), local_max_[mi]);\n"
+     "      local_max_[mi] = fmaxf(__shfl_xor_sync(uint32_t(-1), local_max_[mi], 2), local_max_[mi]);\n"),
+    ("fmha/warpspec/epilogue.h",
+     "    float(&elt_)[Mma_tile_p::CORES_M][Mma_tile_p::CORES_N * 2] = this->elt_;\n\n"
+     "    // whether this warpgroup skips the softmax\n"
+     "    constexpr bool may_skip = Kernel_traits::ENABLE_SKIP_SOFTMAX && !IS_FIRST_COL;\n"
+     "    bool skip = may_skip;\n",
+     "    float(&elt_)[Mma_tile_p::CORES_M][Mma_tile_p::CORES_N * 2] = this->elt_;\n\n"
+     "    // whether this warpgroup skips the softmax\n"
+     "    constexpr bool may_skip = Kernel_traits::ENABLE_SKIP_SOFTMAX && !IS_FIRST_COL;\n"
+     "    bool skip = may_skip;  // diffusers_trtllm: the first half of the step, then the whole step\n"
+     "    bool skip_second = may_skip;\n"
+     "    this->skipped_half_ = 0;\n"),
+    ("fmha/warpspec/epilogue.h",
+     "        skip = __all_sync(0xffffffff, skip);\n"
+     "        if (threadIdx.x % 32 == 0) {\n"
+     "          // The leader of each warp votes.\n"
+     "          atomicAnd(skip_softmax_vote, uint32_t(skip));\n"
+     "        }\n"
+     "        // WG0 uses 0x3 barrier, WG1 uses 0x4 barrier\n"
+     "        named_barrier_wait(Base::SKIP_SOFTMAX_BARRIER + threadIdx.x / 128, 128);\n"
+     "        skip = *((uint32_t volatile*)skip_softmax_vote);\n"
+     "        if (skip) {\n",
+     "        skip = __all_sync(0xffffffff, skip);\n"
+     "        skip_second = __all_sync(0xffffffff, skip_second);\n"
+     f"        if constexpr (!({_HALF_STEPS})) {{\n"
+     "          skip = skip_second = skip && skip_second;\n"
+     "        }\n"
+     "        if (threadIdx.x % 32 == 0) {\n"
+     "          // diffusers_trtllm: each warp's leader votes for both halves (bit 0: first, bit 1: second).\n"
+     "          atomicAnd(skip_softmax_vote, uint32_t(skip) | (uint32_t(skip_second) << 1));\n"
+     "        }\n"
+     "        // WG0 uses 0x3 barrier, WG1 uses 0x4 barrier\n"
+     "        named_barrier_wait(Base::SKIP_SOFTMAX_BARRIER + threadIdx.x / 128, 128);\n"
+     "        int const vote = __shfl_sync(0xffffffff, int(*((uint32_t volatile*)skip_softmax_vote)), 0);\n"
+     f"        this->skipped_half_ = ({_HALF_STEPS}) && vote != 3 ? vote : 0;\n"
+     "        if (vote == 3) {\n"),
+    ("fmha/warpspec/epilogue.h",
+     "#pragma unroll\n"
+     "      for (int ni = 0; ni < Mma_tile_p::CORES_N; ni++) {\n"
+     "        // Exp all rows for this ni\n",
+     "      // diffusers_trtllm: the exps of the cores [NI_BEGIN, NI_END) (FlashInfer's loop, parameterized).\n"
+     "#define DIFFUSERS_TRTLLM_EXP_CORES(NI_BEGIN, NI_END)                                \\\n"
+     "  _Pragma(\"unroll\") for (int ni = NI_BEGIN; ni < NI_END; ni++) {                     \\\n"
+     "    _Pragma(\"unroll\") for (int mi = 0; mi < Mma_tile_p::CORES_M; mi++) {             \\\n"
+     "      elt_[mi][2 * ni + 0] = custom_exp2f(elt_[mi][2 * ni + 0], scale, masked_max[mi]); \\\n"
+     "      elt_[mi][2 * ni + 1] = custom_exp2f(elt_[mi][2 * ni + 1], scale, masked_max[mi]); \\\n"
+     "    }                                                                                \\\n"
+     "    _Pragma(\"unroll\") for (int mi = 0; mi < Mma_tile_p::CORES_M; mi++) {             \\\n"
+     "      psum[mi][(2 * ni + 0) & 3] += elt_[mi][2 * ni + 0];                            \\\n"
+     "      psum[mi][(2 * ni + 1) & 3] += elt_[mi][2 * ni + 1];                            \\\n"
+     "    }                                                                                \\\n"
+     "  }\n"
+     "      if (this->skipped_half_ == 1) {\n"
+     "        DIFFUSERS_TRTLLM_EXP_CORES(Mma_tile_p::CORES_N / 2, Mma_tile_p::CORES_N)\n"
+     "      } else if (this->skipped_half_ == 2) {\n"
+     "        DIFFUSERS_TRTLLM_EXP_CORES(0, Mma_tile_p::CORES_N / 2)\n"
+     "      } else\n"
+     "#undef DIFFUSERS_TRTLLM_EXP_CORES\n"
+     "#pragma unroll\n"
+     "      for (int ni = 0; ni < Mma_tile_p::CORES_N; ni++) {\n"
+     "        // Exp all rows for this ni\n"),
+    ("fmha/warpspec/compute.h",
+     "        *skip_softmax_vote = 1;\n",
+     "        *skip_softmax_vote = 3u;  // diffusers_trtllm: bit 0 skips the step's first 128 keys, bit 1 the rest\n"),
+    ("fmha/warpspec/compute.h",
+     "// BMM2 (S * V).\n"
+     "#pragma unroll\n"
+     "    for (int kbi = 0; kbi < BMM2_MMAS_K_GROUPS - 1; kbi++) {\n",
+     f"    if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX && {_HALF_STEPS}) {{\n"
+     "      // diffusers_trtllm: a skipped half issues no GMMA; descriptors advance as the full BMM2 leaves them.\n"
+     "      static_assert(BMM2_MMAS_K_GROUPS == 2 && SAGE_BLOCK_SIZE_V < 0, \"one K group per half, no V blocks\");\n"
+     "      if (softmax.skipped_half_ != 1) {\n"
+     "#pragma unroll\n"
+     "        for (int ki = 0; ki < BMM2_MMAS_K_PER_GROUP; ++ki) {\n"
+     "          ctile_o.fill_frag_a(frag_p[ki]);\n"
+     "          ctile_o.compute(ki, false, ki == BMM2_MMAS_K_PER_GROUP - 1);\n"
+     "        }\n"
+     "      }\n"
+     "      ctile_o.increment_gmma_desc_group();\n"
+     "      if (softmax.skipped_half_ != 2) {\n"
+     "#pragma unroll\n"
+     "        for (int ki = 0; ki < BMM2_MMAS_K_PER_GROUP - 1; ++ki) {\n"
+     "          ctile_o.fill_frag_a(frag_p[BMM2_MMAS_K_PER_GROUP + ki]);\n"
+     "          ctile_o.compute(ki);\n"
+     "        }\n"
+     "        ctile_o.fill_frag_a(frag_p[Mma_tile_o::MMAS_K - 1]);\n"
+     "        ctile_o.compute(Mma_tile_o::MMAS_K - 1, true, true);\n"
+     "      }\n"
+     "      warpgroup_commit();\n"
+     "      warpgroup_wait<0>();\n"
+     "      return;\n"
+     "    }\n"
+     "// BMM2 (S * V).\n"
+     "#pragma unroll\n"
+     "    for (int kbi = 0; kbi < BMM2_MMAS_K_GROUPS - 1; kbi++) {\n"),
+)
+
+
 def patched_headers() -> dict[str, str]:
-    """FMHAv2 headers with :data:`V_LAYOUT_PATCHES` applied, by path relative to the fmha_v2 folder; the build
-    puts them ahead of FlashInfer's. Raises if a patched text is not found exactly once (FlashInfer changed)."""
+    """FMHAv2 headers with :data:`V_LAYOUT_PATCHES` and :data:`HALF_STEP_SKIP_PATCHES` applied, by path relative
+    to the fmha_v2 folder; the build puts them ahead of FlashInfer's. Raises if a patched text is not found
+    exactly once (FlashInfer changed)."""
     from flashinfer.jit import env as jit_env
 
     headers = {}
-    for path, old, new in V_LAYOUT_PATCHES:
+    for path, old, new in (*V_LAYOUT_PATCHES, *HALF_STEP_SKIP_PATCHES):
         text = headers.get(path) or (jit_env.FLASHINFER_CSRC_DIR / "fmha_v2" / path).read_text()
         if text.count(old) != 1:
-            raise RuntimeError(f"FlashInfer's FMHAv2 {path} changed: a text the V^T layout patches was found "
+            raise RuntimeError(f"FlashInfer's FMHAv2 {path} changed: a text this package patches was found "
                                f"{text.count(old)} times, expected once:\n{old}")
         headers[path] = text.replace(old, new)
     return headers
@@ -352,7 +498,7 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     ``q``: ``[T, Hq, 128]``, ``k``/``v``: ``[T, Hkv, 128]`` bf16 (fp16 accepted), ragged self-attention: sequence
     ``i`` owns rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of all three (``cu_seqlens`` ``[B + 1]`` int32 on the
     tensors' device; ``seqlens`` the same lengths as host ints). ``Hq % Hkv == 0``. ``scale``: softmax scale.
-    ``k_block`` / ``kv_step``: a pair of :func:`sage_kernels`; skip decisions are per :func:`skip_tile`.
+    ``k_block`` / ``kv_step``: a pair of :func:`sage_kernels`; skip decisions are per :data:`SKIP_TILE`.
     Returns ``[T, Hq, 128]`` bf16. GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels
     (see :func:`load_module`).
     """
