@@ -9,7 +9,7 @@ rounding steps (observed ~1e-6 relative), so 1e-5 relative.
 import pytest
 import torch
 from diffusers import FluxTransformer2DModel
-from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry, attention_backend, dispatch_attention_fn
 
 from diffusers_trtllm import AttentionConfigError, enable_trtllm_attention, set_dispatch_config
 from diffusers_trtllm.dispatch import BACKEND, trtllm_attention
@@ -22,8 +22,12 @@ TEXT_TOKENS, IMAGE_TOKENS = 7, 16
 
 @pytest.fixture(autouse=True)
 def _reset_dispatch_config():
+    # model.set_attention_backend also sets diffusers' process-wide active backend: restore it, or later tests'
+    # models without an explicit backend would run on "trtllm"
+    active = _AttentionBackendRegistry.get_active_backend()[0]
     yield
     set_dispatch_config(None)
+    _AttentionBackendRegistry.set_active_backend(active)
 
 
 def tiny_flux():
