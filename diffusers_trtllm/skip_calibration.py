@@ -44,13 +44,14 @@ DEFAULT_SPARSE_ROLES = {WanTrtllmAttnProcessor: ("self_attn",), HunyuanVideo15Tr
 class _SkipProbe:
     """Called for every call that would skip: per (component, prompt, kv_len), tiles each λ skips and tiles in all.
 
-    Counts on the calibration's ``tile``, the skip-decision tile of the kernel the curve is for (the plan's own
-    tile, passed in by the planner, is not used).
+    Counts on the calibration's ``tile`` and ``kv_step``, the skip decisions of the kernel the curve is for (the
+    plan's own tile, passed in by the planner, is not used).
     """
 
-    def __init__(self, lambdas: Sequence[float], tile: tuple[int, int]):
+    def __init__(self, lambdas: Sequence[float], tile: tuple[int, int], kv_step: int | None = None):
         self.lambdas = tuple(lambdas)
         self.tile = tile
+        self.kv_step = kv_step
         self.prompt = 0
         self.skipped: dict = {}
         self.total: dict = defaultdict(int)
@@ -61,7 +62,7 @@ class _SkipProbe:
         self.calls += 1
         self.layers[site.component].add(site.layer)
         for (q, k, _, _), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
-            gaps = skip_gaps(q, k, scale, tile=self.tile, causal=causal)
+            gaps = skip_gaps(q, k, scale, tile=self.tile, kv_step=self.kv_step, causal=causal)
             key = (site.component, self.prompt, kv_len)
             counts = count_skips(gaps, self.lambdas)  # stays on the device until the fit
             self.skipped[key] = counts if key not in self.skipped else self.skipped[key] + counts
@@ -93,7 +94,8 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
               disabled_until_timestep: float = 0.0, sparse_roles: Sequence[str] | None = None,
               ignore: Sequence[str] = (), target_sparsity: float | None = None,
               fit_range: tuple[float, float] = DEFAULT_FIT_RANGE, backend: str = "auto",
-              tile: tuple[int, int] = DEFAULT_TILE, seed: int = 0, progress: bool = True,
+              tile: tuple[int, int] = DEFAULT_TILE, kv_step: int | None = None, seed: int = 0,
+              progress: bool = True,
               **pipe_kwargs) -> CalibrationResult:
     """Calibrate ``pipe``'s transformers for Skip-Softmax at the deployment shape; see the module docstring.
 
@@ -113,6 +115,8 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
         backend: the backend of the dense calls (``auto``: the best available).
         tile: ``(query rows, key columns)`` per skip decision, counted: the tile of the kernel the curve is for
             (128 × 128: FMHAv2 bf16 and the Triton kernel's default; 64 × 128: Hopper's FMHAv2 SAGE kernel).
+        kv_step: keys per online-softmax step of that kernel, whose tiles are all decided against the running
+            max at the step's start (256 for Hopper's FMHAv2 SAGE kernel; default: each tile is a step).
         pipe_kwargs: passed to the pipeline (``guidance_scale``...).
 
     Raises:
@@ -128,6 +132,8 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
             and all(type(side) is int and side > 0 for side in tile)):
         raise invalid("tile", tile, "(query rows, key columns), two positive ints such as (128, 128)")
     tile = tuple(tile)
+    if kv_step is not None and not (type(kv_step) is int and kv_step > 0 and kv_step % tile[1] == 0):
+        raise invalid("kv_step", kv_step, f"a positive multiple of the tile's {tile[1]} key columns, or None")
     sparse_roles = default_sparse_roles(pipe) if sparse_roles is None else tuple(sparse_roles)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     sparse = {"backend": backend, "skip_softmax": {"threshold": PROBE_THRESHOLD,
@@ -135,7 +141,7 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
     dense = {"backend": backend}
     config = {"default": dense,
               "per_role": {**{role: sparse for role in sparse_roles}, **{name: dense for name in ignore}}}
-    probe = _SkipProbe(lambdas, tile)
+    probe = _SkipProbe(lambdas, tile, kv_step)
     with warnings.catch_warnings():
         # Probed calls run dense anyway: auto dropping Skip-Softmax on this machine changes nothing here.
         warnings.filterwarnings("ignore", message="diffusers_trtllm: auto runs")
@@ -178,7 +184,8 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
                                "num_inference_steps": num_inference_steps,
                                "disabled_until_timestep": disabled_until_timestep},
                 "calibration": {"prompts": len(prompts), "seed": seed, "lambdas": list(lambdas),
-                                "fit_range": list(fit_range), "tile": list(tile), "sparse_roles": list(sparse_roles),
+                                "fit_range": list(fit_range), "tile": list(tile), "kv_step": kv_step,
+                                "sparse_roles": list(sparse_roles),
                                 "ignore": list(ignore), "counting": "dense running max (exact for λ <= 1)"},
                 "versions": _versions()}
     return CalibrationResult(fits, settings)

@@ -96,7 +96,10 @@ def main(argv=None) -> CalibrationResult:
     parser.add_argument("--lambda-max", type=float, default=1.0)
     parser.add_argument("--lambda-points", type=positive_int, default=31)
     parser.add_argument("--tile", type=positive_int, nargs=2, default=(128, 128), metavar=("ROWS", "COLS"),
-                        help="skip tile counted: 128 128 (FMHAv2 bf16, Triton), 64 256 (Hopper FMHAv2 SAGE)")
+                        help="skip tile counted: 128 128 (FMHAv2 bf16, Triton), 64 128 (Hopper FMHAv2 SAGE)")
+    parser.add_argument("--kv-step", type=positive_int, default=None,
+                        help="keys per online-softmax step whose tiles are decided against the running max at its "
+                             "start: 256 for Hopper FMHAv2 SAGE (default: each tile is a step)")
     parser.add_argument("--target-sparsity", type=float, default=None, help="target to suggest in the checkpoint")
     parser.add_argument("--fit-range", type=float, nargs=2, default=(0.10, 0.90))
     parser.add_argument("--seed", type=int, default=0)
@@ -129,7 +132,7 @@ def main(argv=None) -> CalibrationResult:
                            num_inference_steps=args.steps, disabled_until_timestep=args.gate,
                            lambdas=np.geomspace(args.lambda_min, args.lambda_max, args.lambda_points),
                            target_sparsity=args.target_sparsity, fit_range=tuple(args.fit_range), seed=args.seed,
-                           tile=tuple(args.tile))
+                           tile=tuple(args.tile), kv_step=args.kv_step)
     output_dir.mkdir(parents=True, exist_ok=True)
     if args.model is None:
         pipe.save_pretrained(output_dir)

@@ -209,16 +209,17 @@ def test_sparse_attention_config_is_modelopt_schema():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("tile", [(128, 128), (64, 128)])
-def test_one_pass_counts_equal_the_reference_for_every_lambda(causal, tile):
+@pytest.mark.parametrize("tile,kv_step", [((128, 128), None), ((64, 128), None), ((64, 128), 256), ((32, 64), 256)])
+def test_one_pass_counts_equal_the_reference_for_every_lambda(causal, tile, kv_step):
     s, h, d = 600, 2, 32
     pos = torch.arange(s, dtype=torch.float64)[:, None] * torch.logspace(-3, -0.5, d // 2, dtype=torch.float64)
     base = torch.cat([pos.sin(), pos.cos()], 1)[:, None].expand(s, h, d)
     q, k = ((base + 0.3 * torch.randn(s, h, d, dtype=torch.float64)) * 3 for _ in range(2))
     v = torch.randn(s, h, d, dtype=torch.float64)
     lambdas = [1e-4, 1e-2, 0.1, 0.5, 1.0]
-    counts = count_skips(skip_gaps(q, k, d ** -0.5, tile=tile, causal=causal, kv_chunk=256), lambdas).tolist()
-    expected = [reference_attention(q, k, v, d ** -0.5, causal=causal, skip_lambda=lam, tile=tile)[1]
+    gaps = skip_gaps(q, k, d ** -0.5, tile=tile, kv_step=kv_step, causal=causal, kv_chunk=256)
+    counts = count_skips(gaps, lambdas).tolist()
+    expected = [reference_attention(q, k, v, d ** -0.5, causal=causal, skip_lambda=lam, tile=tile, kv_step=kv_step)[1]
                 for lam in lambdas]
     assert counts == expected
     assert causal or counts[-1] > counts[0]  # causal: only the masked tiles, for any λ

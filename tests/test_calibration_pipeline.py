@@ -153,8 +153,17 @@ def test_tile_is_the_tile_counted():
     assert {p["kv_len"] for p in small} == {256}
     assert all(p["tiles"] == 2 * q["tiles"] for p, q in zip(small, wide))
     assert [p["sparsity"] for p in small] != [p["sparsity"] for p in wide]
+    # kv_step: the same tiles, each decided against the running max at its 64-key step's start
+    stepped = calibrate(pipe, PROMPTS[0], lambdas=LAMBDAS, tile=(32, 32), kv_step=64, fit_range=(0.0, 1.0),
+                        progress=False, **shape)
+    assert stepped.settings["calibration"]["kv_step"] == 64
+    points = stepped.fits["transformer"].points
+    assert all(p["tiles"] == q["tiles"] for p, q in zip(points, small))
+    assert [p["sparsity"] for p in points] != [p["sparsity"] for p in small]
     with pytest.raises(ValueError, match=r"tile=\(0, 128\) is invalid"):
         calibrate(pipe, PROMPTS[0], tile=(0, 128), progress=False, **shape)
+    with pytest.raises(ValueError, match="kv_step=96 is invalid: expected a positive multiple of the tile's 64 key"):
+        calibrate(pipe, PROMPTS[0], tile=(32, 64), kv_step=96, progress=False, **shape)
 
 
 def test_sparse_roles_the_model_lacks_raise_before_running():

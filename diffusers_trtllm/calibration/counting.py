@@ -25,19 +25,25 @@ KV_CHUNK = 4096  # key columns scored together; memory ~ heads × QUERY_CHUNK ×
 
 
 def skip_gaps(q: torch.Tensor, k: torch.Tensor, scale: float, *, tile: tuple[int, int] = (128, 128),
-              causal: bool = False, query_chunk: int = QUERY_CHUNK, kv_chunk: int = KV_CHUNK) -> torch.Tensor:
+              kv_step: int | None = None, causal: bool = False, query_chunk: int = QUERY_CHUNK,
+              kv_chunk: int = KV_CHUNK) -> torch.Tensor:
     """Worst-row gaps of one sequence: q ``[Sq, Hq, D]``, k ``[Skv, Hkv, D]`` -> ``[Hq, query tiles, KV tiles]``.
 
     ``+inf`` where no λ skips (a row has no running max yet: the first KV tile), ``-inf`` where every λ does
     (every row is masked). Rows are independent, so q may be any tile-aligned subset of a sequence's queries
-    (non-causal). Computed in float32 (float64 for float64 inputs).
+    (non-causal). ``kv_step``: keys per online-softmax step (a multiple of ``tile[1]``; default ``tile[1]``): each
+    tile's gap is to the running max at its step's start, as the reference's ``kv_step`` decides. Computed in
+    float32 (float64 for float64 inputs).
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     sq, hq, _ = q.shape
     skv, hkv = k.shape[:2]
     tq, tk = tile
+    tiles_per_step = 1 if kv_step is None else kv_step // tk
+    if kv_step is not None and (kv_step <= 0 or kv_step % tk):
+        raise ValueError(f"kv_step={kv_step!r} is not a positive multiple of the tile's {tk} keys")
     q_step = max(tq, query_chunk // tq * tq)
-    kv_step = max(tk, kv_chunk // tk * tk)
+    kv_cols = max(tk, kv_chunk // tk * tk)
     qh = (q.to(compute) * scale).transpose(0, 1)
     kh = k.to(compute).transpose(0, 1)
     if hkv != hq:
@@ -47,16 +53,19 @@ def skip_gaps(q: torch.Tensor, k: torch.Tensor, scale: float, *, tile: tuple[int
     for c0 in range(0, sq, q_step):
         rows = min(q_step, sq - c0)
         tile_max = []  # per KV tile, each row's max score: [H, rows, KV tiles]
-        for j0 in range(0, skv, kv_step):
-            s = qh[:, c0:c0 + rows] @ kh[:, j0:j0 + kv_step].transpose(1, 2)
+        for j0 in range(0, skv, kv_cols):
+            s = qh[:, c0:c0 + rows] @ kh[:, j0:j0 + kv_cols].transpose(1, 2)
             if causal:
                 s = mask_future_keys(s, c0, j0, sq, skv)
-            if j0 + kv_step >= skv and kv_pad:
+            if j0 + kv_cols >= skv and kv_pad:
                 s = torch.nn.functional.pad(s, (0, kv_pad), value=-math.inf)
             tile_max.append(s.view(hq, rows, -1, tk).amax(dim=-1))
         tile_max = torch.cat(tile_max, dim=-1)
         # the dense running max before each KV tile (-inf before the first)
         running = torch.nn.functional.pad(tile_max.cummax(dim=-1).values[..., :-1], (1, 0), value=-math.inf)
+        if tiles_per_step > 1:  # the running max at each tile's step start
+            step_start = torch.arange(running.shape[-1], device=running.device) // tiles_per_step * tiles_per_step
+            running = running[..., step_start]
         gap = torch.where(running == -math.inf, math.inf, tile_max - running)
         gap = torch.where(tile_max == -math.inf, -math.inf, gap)
         # padding rows of the last query tile never block a skip
