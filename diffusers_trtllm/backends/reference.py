@@ -38,6 +38,17 @@ def mask_future_keys(scores: torch.Tensor, q_start: int, k_start: int, sq: int, 
     return scores.masked_fill(kpos > qpos, -math.inf)
 
 
+def step_keys(kv_step: int | None, tile_keys: int) -> int:
+    """Keys per online-softmax step: ``kv_step``, or one tile of ``tile_keys`` when None. Raises ``ValueError``
+    unless it is a positive multiple of the tile."""
+    step = tile_keys if kv_step is None else kv_step
+    if step <= 0:
+        raise ValueError(f"kv_step={kv_step!r} is not positive")
+    if step % tile_keys:
+        raise ValueError(f"kv_step={kv_step!r} is not a multiple of the tile's {tile_keys} keys")
+    return step
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
                         skip_lambda: float = 0.0, quant: SageSemantics | None = None,
                         tile: tuple[int, int] = (128, 128), kv_step: int | None = None,
@@ -59,9 +70,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     sq, hq, d = q.shape
     skv, hkv = k.shape[:2]
     tq, tk = tile
-    step = tk if kv_step is None else kv_step
-    if step % tk:
-        raise ValueError(f"kv_step={kv_step!r} is not a multiple of the tile's {tk} keys")
+    step = step_keys(kv_step, tk)
     chunk = max(tq, query_chunk // tq * tq)
     q, k, v = (x.to(compute) for x in (q, k, v))
     if hkv != hq:

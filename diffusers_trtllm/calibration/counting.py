@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..backends.reference import mask_future_keys
+from ..backends.reference import mask_future_keys, step_keys
 
 QUERY_CHUNK = 2048  # query rows scored together
 KV_CHUNK = 4096  # key columns scored together; memory ~ heads × QUERY_CHUNK × KV_CHUNK
@@ -39,9 +39,7 @@ def skip_gaps(q: torch.Tensor, k: torch.Tensor, scale: float, *, tile: tuple[int
     sq, hq, _ = q.shape
     skv, hkv = k.shape[:2]
     tq, tk = tile
-    tiles_per_step = 1 if kv_step is None else kv_step // tk
-    if kv_step is not None and (kv_step <= 0 or kv_step % tk):
-        raise ValueError(f"kv_step={kv_step!r} is not a positive multiple of the tile's {tk} keys")
+    tiles_per_step = step_keys(kv_step, tk) // tk
     q_step = max(tq, query_chunk // tq * tq)
     kv_cols = max(tk, kv_chunk // tk * tk)
     qh = (q.to(compute) * scale).transpose(0, 1)
