@@ -64,7 +64,8 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
-    for path, old, new in (*fmha_v2_sage.V_LAYOUT_PATCHES, *fmha_v2_sage.HALF_STEP_SKIP_PATCHES):
+    for path, old, new in (*fmha_v2_sage.V_LAYOUT_PATCHES, *fmha_v2_sage.HALF_STEP_SKIP_PATCHES,
+                           *fmha_v2_sage.V_SCALE_EPILOGUE_PATCHES):
         assert sources[path].count(new) == 1 and (old in new or old not in sources[path])
     assert "DMA_GROUP_TRANSPOSE_V = 0" in sources["fmha/warpspec/kernel_traits.h"]
     # half-step skips: both halves voted, the exps and the BMM2 K group of a skipped half left out
@@ -72,6 +73,8 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     assert "uint32_t(skip) | (uint32_t(skip_second) << 1)" in epilogue
     assert epilogue.count("DIFFUSERS_TRTLLM_EXP_CORES(") == 3  # the macro and the two half-step calls
     assert "*skip_softmax_vote = 3u;" in compute and compute.count("softmax.skipped_half_ != ") == 2
+    # V's per-channel scales applied with 1 / row sum in the e4m3 epilogue
+    assert epilogue.count("__ldg(v_scales_ + channel") == 2 and "params.sage.v.scales +" in epilogue
     flags = fmha_v2_sage.nvcc_flags(fmha_v2_sage.pathlib.Path("/generated"))
     includes = [flag for flag in flags if flag.startswith("-I")]
     assert includes[0] == "-I/generated" and any(flag.endswith("fmha_v2") for flag in includes[1:])
@@ -111,7 +114,11 @@ def test_binding_arguments_match_the_python_call(monkeypatch):
     out = fmha_v2_sage.sage_attention_packed(packed, cu, (100, 200), heads_q, SCALE, 5.0, 256)
     got = ["tensor" if isinstance(a, torch.Tensor) else "int" if isinstance(a, int) else "float" for a in seen]
     assert got == kinds
-    assert seen[8:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
+    assert seen[9:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
+    # V's per-channel scales go to the kernel's epilogue per query head (GQA: each KV head's repeated)
+    v_scale = seen[6]
+    assert v_scale.shape == (batch, heads_q, 128) and v_scale.is_contiguous()
+    assert torch.equal(v_scale, packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1))
     assert out.shape == (tokens, heads_q, 128) and out.dtype == torch.bfloat16
 
 
@@ -293,6 +300,21 @@ def test_gpu_fmha_v2_sage_matches_reference_of_its_semantics(k_block, skip_facto
     # on an H200); a skip decision the kernel took differently from the reference would add far more.
     assert _rel(out, ref.out) < 1.6e-2
     assert _rel(out, exact.out) < 9e-2  # what SAGE costs here (6.7e-2 measured)
+
+
+@pytest.mark.gpu
+def test_gpu_v_channel_scales_reach_their_channels():
+    """V's per-channel scales are applied inside the kernel, to accumulator columns that hold permuted channels:
+    with channel magnitudes spread over four decades, a scale applied to the wrong channel is off by up to 10^4."""
+    _hopper()
+    qkv = _peaky((640, 1344), 8, 2)
+    spread = torch.logspace(-2, 2, 128, device="cuda")[torch.randperm(128, device="cuda")]
+    qkv = VarlenQKV(qkv.q, qkv.k, (qkv.v.float() * spread).bfloat16(), qkv.seqlens_q, qkv.seqlens_kv)
+    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=AttnQuantSpec("fp8_e4m3"), tile=fmha_v2_sage.SKIP_TILE)
+    out = run_backend("TRTLLM_ATTN", qkv, plan).out
+    ref = run_backend("TORCH_REFERENCE", qkv, plan).out
+    per_channel = ((out.float() - ref.float()).norm(dim=(0, 1)) / ref.float().norm(dim=(0, 1)))
+    assert per_channel.max() < 3e-2, per_channel.topk(4)
 
 
 def _offset_tiles(length, heads, tile=128):

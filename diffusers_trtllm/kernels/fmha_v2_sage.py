@@ -306,14 +306,56 @@ HALF_STEP_SKIP_PATCHES = (
 )
 
 
+# V's per-channel scales multiply the output in the kernel's epilogue, with the 1 / row sum, before the bf16
+# store: a separate pass over the bf16 output cost more than 1 % of the Wan-shape call and rounded it twice. The
+# binding passes them through ``params.sage.v`` (``[B, Hq, 128]``, ``max_nblock`` = 128 channels), unused
+# otherwise by kernels without V blocks. O's accumulator columns hold V^T's rows, whose channels the quantizer
+# permuted (:class:`~.triton_sage.QuantizeTargets` ``v_fmha_v2_order``): in each 16-column group, the thread with
+# ``lane % 4 == c`` holds in core ``ni`` the channels ``4·c + ni % 2`` and ``+ 2`` (FMHAv2's e4m3 O store puts
+# them back in order).
+V_SCALE_EPILOGUE_PATCHES = (
+    ("fmha/warpspec/epilogue.h",
+     "      : Base(params, block_info), scale_bmm2_(params.scale_bmm2) {}\n",
+     "      : Base(params, block_info), scale_bmm2_(params.scale_bmm2),\n"
+     "        v_scales_(params.sage.v.scales +\n"
+     "                  static_cast<int64_t>(block_info.bidb * params.h + block_info.bidh) * params.sage.v.max_nblock) {}\n"
+     "  // diffusers_trtllm: this head's per-channel V scales.\n"
+     "  float const* v_scales_;\n"),
+    ("fmha/warpspec/epilogue.h",
+     "        global_sum[mi] *= Traits_o::SOFTMAX_FP_DEQUANT_SCALE;\n"
+     "      }\n"
+     "// Assume only N has multiple MMAs (MMAS_M = 1).\n"
+     "#pragma unroll\n"
+     "      for (int mma_ni = 0; mma_ni < Mma_tile_o::MMAS_N; mma_ni++) {\n"
+     "#pragma unroll\n"
+     "        for (int ni = 0; ni < Mma_tile_o::CORES_N; ni++) {\n"
+     "          float& reg0 = ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi);\n"
+     "          float& reg1 = ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi + 1);\n"
+     "          reg0 *= scale;\n"
+     "          reg1 *= scale;\n",
+     "        global_sum[mi] *= Traits_o::SOFTMAX_FP_DEQUANT_SCALE;\n"
+     "      }\n"
+     "// Assume only N has multiple MMAs (MMAS_M = 1).\n"
+     "#pragma unroll\n"
+     "      for (int mma_ni = 0; mma_ni < Mma_tile_o::MMAS_N; mma_ni++) {\n"
+     "#pragma unroll\n"
+     "        for (int ni = 0; ni < Mma_tile_o::CORES_N; ni++) {\n"
+     "          float& reg0 = ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi);\n"
+     "          float& reg1 = ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi + 1);\n"
+     "          int const channel = mma_ni * Mma_tile_o::N_PER_MMA + 16 * (ni / 2) + 4 * (threadIdx.x % 4) + ni % 2;\n"
+     "          reg0 *= scale * __ldg(v_scales_ + channel);\n"
+     "          reg1 *= scale * __ldg(v_scales_ + channel + 2);\n"),
+)
+
+
 def patched_headers() -> dict[str, str]:
-    """FMHAv2 headers with :data:`V_LAYOUT_PATCHES` and :data:`HALF_STEP_SKIP_PATCHES` applied, by path relative
-    to the fmha_v2 folder; the build puts them ahead of FlashInfer's. Raises if a patched text is not found
-    exactly once (FlashInfer changed)."""
+    """FMHAv2 headers with :data:`V_LAYOUT_PATCHES`, :data:`HALF_STEP_SKIP_PATCHES` and
+    :data:`V_SCALE_EPILOGUE_PATCHES` applied, by path relative to the fmha_v2 folder; the build puts them ahead of
+    FlashInfer's. Raises if a patched text is not found exactly once (FlashInfer changed)."""
     from flashinfer.jit import env as jit_env
 
     headers = {}
-    for path, old, new in (*V_LAYOUT_PATCHES, *HALF_STEP_SKIP_PATCHES):
+    for path, old, new in (*V_LAYOUT_PATCHES, *HALF_STEP_SKIP_PATCHES, *V_SCALE_EPILOGUE_PATCHES):
         text = headers.get(path) or (jit_env.FLASHINFER_CSRC_DIR / "fmha_v2" / path).read_text()
         if text.count(old) != 1:
             raise RuntimeError(f"FlashInfer's FMHAv2 {path} changed: a text this package patches was found "
@@ -475,17 +517,11 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
     heads_kv = packed.qk.shape[1] - heads_q
     out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=packed.qk.device)
     tile_counter = torch.empty(1, dtype=torch.int32, device=packed.qk.device)  # per call: streams never share it
-    load_module().sage_attention(packed.qk, packed.v_t, packed.v_starts, out, packed.q_scale, packed.k_scale,
-                                 cu_seqlens, tile_counter, heads_q, heads_kv, max(seqlens), Q_BLOCK, packed.k_block,
-                                 kv_step, float(scale), float(skip_factor))
+    # the kernel reads V's scales per query head
     v_scale = packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1) if heads_q != heads_kv else packed.v_scale
-    if len(set(seqlens)) == 1:
-        out.view(len(seqlens), seqlens[0], heads_q, HEAD_DIM).mul_(v_scale[:, None])
-    else:
-        start = 0
-        for i, length in enumerate(seqlens):
-            out[start:start + length].mul_(v_scale[i])
-            start += length
+    load_module().sage_attention(packed.qk, packed.v_t, packed.v_starts, out, packed.q_scale, packed.k_scale,
+                                 v_scale, cu_seqlens, tile_counter, heads_q, heads_kv, max(seqlens), Q_BLOCK, packed.k_block,
+                                 kv_step, float(scale), float(skip_factor))
     return out
 
 

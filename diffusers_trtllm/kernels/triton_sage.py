@@ -55,7 +55,8 @@ except ImportError:  # CPU-only torch wheels ship without Triton; the module sti
 HEAD_DIM = 128
 TINY_SCALE = 1e-12  # same floor as quant._TINY: an all-zero block keeps a finite scale
 V_TOKEN_ALIGN = 16  # each sequence's V^T columns start on a 16-byte boundary, so V loads vectorize
-STATS_TOKENS = 64  # tokens per program in the two quantization passes (a multiple of every SAGE block size)
+STATS_TOKENS = 64  # tokens per chunk of the two quantization passes (a multiple of every SAGE block size)
+STATS_CHUNKS = 8  # STATS_TOKENS-token chunks one program of the K/V reduction folds before its atomics
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 to the nearest integer, ties to even
 LOG2E = 1.4426950408889634
 
@@ -218,9 +219,9 @@ def quantize_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
                for fill in (-math.inf, math.inf)] if k_block == 0 else [stats[0], stats[0]]
     k_sum, v_amax = stats
     kv_chunks = -(-max_seqlen_kv // tokens)
-    _kv_stats_kernel[(kv_chunks, heads_kv, batch)](
+    _kv_stats_kernel[(-(-kv_chunks // STATS_CHUNKS), heads_kv, batch)](
         k, v, k_sum, *k_range, v_amax, cu_seqlens_kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        TOKENS=tokens, HEAD_DIM=HEAD_DIM, K_RANGE=k_block == 0)
+        TOKENS=tokens, CHUNKS=STATS_CHUNKS, HEAD_DIM=HEAD_DIM, K_RANGE=k_block == 0)
     q_chunks = -(-max_seqlen_q // tokens)
     seq_stride = (lambda t: t.stride(0)) if targets.scales_by_sequence else (lambda t: 0)
     head_stride = (lambda t: t.stride(1)) if targets.scales_by_sequence else (lambda t: t.stride(0))
@@ -339,27 +340,42 @@ def _round_half_even(x):
 
 @_jit
 def _kv_stats_kernel(k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, v_amax_ptr, cu_kv_ptr, stride_kt, stride_kh,
-                     stride_vt, stride_vh, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, K_RANGE: tl.constexpr):
-    """Per (sequence, kv head): add this chunk's column sums of K into k_sum and its column max of |V| into
-    v_amax ([B, Hkv, D] float32, zero-initialised); with K_RANGE also K's column max and min (k_max / k_min,
-    initialised to -inf / +inf), from which the quantizer gets one smoothed-K scale per sequence and head."""
-    chunk, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                     stride_vt, stride_vh, TOKENS: tl.constexpr, CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     K_RANGE: tl.constexpr):
+    """Per (sequence, kv head): add the column sums of K over CHUNKS · TOKENS tokens into k_sum and their column
+    max of |V| into v_amax ([B, Hkv, D] float32, zero-initialised); with K_RANGE also K's column max and min (k_max
+    / k_min, initialised to -inf / +inf), from which the quantizer gets one smoothed-K scale per sequence and head.
+    Each program folds its chunks in registers and adds to the totals once (atomics per chunk cost more time than
+    reading K and V)."""
+    program, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_kv_ptr + seq)
     length = tl.load(cu_kv_ptr + seq + 1) - start
-    if chunk * TOKENS >= length:
+    first = program * CHUNKS * TOKENS
+    if first >= length:
         return
-    tokens = chunk * TOKENS + tl.arange(0, TOKENS)
     dims = tl.arange(0, HEAD_DIM)
-    valid = (tokens < length)[:, None]
-    rows = (start + tokens).to(tl.int64)[:, None]
-    k = tl.load(k_ptr + rows * stride_kt + head * stride_kh + dims[None, :], mask=valid, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + rows * stride_vt + head * stride_vh + dims[None, :], mask=valid, other=0.0).to(tl.float32)
+    k_sum = tl.zeros((HEAD_DIM,), tl.float32)
+    v_amax = tl.zeros((HEAD_DIM,), tl.float32)
+    k_max = tl.full((HEAD_DIM,), float("-inf"), tl.float32)
+    k_min = tl.full((HEAD_DIM,), float("inf"), tl.float32)
+    for chunk in range(CHUNKS):
+        tokens = first + chunk * TOKENS + tl.arange(0, TOKENS)
+        valid = (tokens < length)[:, None]
+        rows = (start + tokens).to(tl.int64)[:, None]
+        k = tl.load(k_ptr + rows * stride_kt + head * stride_kh + dims[None, :], mask=valid, other=0.0)
+        v = tl.load(v_ptr + rows * stride_vt + head * stride_vh + dims[None, :], mask=valid, other=0.0)
+        k = k.to(tl.float32)
+        k_sum += tl.sum(k, 0)
+        v_amax = tl.maximum(v_amax, tl.max(tl.abs(v.to(tl.float32)), 0))
+        if K_RANGE:
+            k_max = tl.maximum(k_max, tl.max(tl.where(valid, k, float("-inf")), 0))
+            k_min = tl.minimum(k_min, tl.min(tl.where(valid, k, float("inf")), 0))
     stats = (seq * tl.num_programs(1) + head) * HEAD_DIM + dims
-    tl.atomic_add(k_sum_ptr + stats, tl.sum(k, 0))
-    tl.atomic_max(v_amax_ptr + stats, tl.max(tl.abs(v), 0))
+    tl.atomic_add(k_sum_ptr + stats, k_sum)
+    tl.atomic_max(v_amax_ptr + stats, v_amax)
     if K_RANGE:
-        tl.atomic_max(k_max_ptr + stats, tl.max(tl.where(valid, k, float("-inf")), 0))
-        tl.atomic_min(k_min_ptr + stats, tl.min(tl.where(valid, k, float("inf")), 0))
+        tl.atomic_max(k_max_ptr + stats, k_max)
+        tl.atomic_min(k_min_ptr + stats, k_min)
 
 
 @_jit
@@ -489,17 +505,24 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, 
             v_start = _V_TOKEN_ALIGN * ((start + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN + seq)
             padded_length = (length + _V_TOKEN_ALIGN - 1) // _V_TOKEN_ALIGN * _V_TOKEN_ALIGN
             v_t_head = v_out_ptr + head.to(tl.int64) * v_out_stride_0
-            key_columns, channel_rows = tokens, dims
             if V_FMHA_V2_ORDER:
-                key = tokens % 16
-                key_columns = tokens - key + 4 * ((key % 8) // 2) + key % 2 + 2 * (key // 8)
-                channel = dims % 16
-                channel_rows = dims - channel + channel // 2 + 8 * (channel % 2)
-            tl.store(v_t_head + channel_rows[None, :] * v_out_stride_1 + (v_start + key_columns)[:, None],
+                v = _fmha_v2_v_order(v, TOKENS, HEAD_DIM)
+            # permuted in registers, not through the addresses: the stores stay contiguous along keys
+            tl.store(v_t_head + dims[None, :] * v_out_stride_1 + (v_start + tokens)[:, None],
                      v.to(tl.float8e4nv), mask=(tokens < padded_length)[:, None])
         else:
             tl.store(v_out_ptr + rows * v_out_stride_0 + head * v_out_stride_1 + dims[None, :],
                      v.to(tl.float8e4nv), mask=valid)
+
+
+@_jit
+def _fmha_v2_v_order(v, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``v [TOKENS, HEAD_DIM]`` -> the same values with keys and channels in FMHAv2's V order
+    (:class:`QuantizeTargets`): within each 16-key group key ``8·h + 2·a + e`` moves to ``4·a + 2·h + e``, within
+    each 16-channel group channel ``2·p + e`` to ``8·e + p``."""
+    v = tl.permute(tl.reshape(v, (TOKENS // 16, 2, 4, 2, HEAD_DIM)), (0, 2, 1, 3, 4))
+    v = tl.permute(tl.reshape(v, (TOKENS, HEAD_DIM // 16, 8, 2)), (0, 1, 3, 2))
+    return tl.reshape(v, (TOKENS, HEAD_DIM))
 
 
 @_jit

@@ -32,10 +32,13 @@ uint32_t float_bits(float value) {
 //               [i * q_block, (i + 1) * q_block)
 // k_scale:      [batch, heads_q, ceil(max_seqlen / k_block)] float32 (indexed by query head), or empty when k_block
 //               is 0 (the caller folded K's scale into q_scale)
+// v_scale:      [batch, heads_q, 128] float32, V's per-channel scales (indexed by query head), applied by the
+//               patched epilogue
 // cu_seqlens:   [batch + 1] int32 (queries and keys of a sequence are the same tokens)
 // tile_counter: [1] int32 scratch for the persistent scheduler, owned by the caller's stream
 void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_starts, ffi::TensorView out,
-                    ffi::TensorView q_scale, ffi::TensorView k_scale, ffi::TensorView cu_seqlens,
+                    ffi::TensorView q_scale, ffi::TensorView k_scale, ffi::TensorView v_scale,
+                    ffi::TensorView cu_seqlens,
                     ffi::TensorView tile_counter, int64_t heads_q, int64_t heads_kv, int64_t max_seqlen,
                     int64_t q_block, int64_t k_block, int64_t kv_step, double softmax_scale,
                     double skip_softmax_threshold_scale_factor) {
@@ -43,6 +46,7 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   TVM_FFI_ICHECK_EQ(v_t.dtype(), dl_float8_e4m3fn) << "v_t must be float8_e4m3fn";
   TVM_FFI_ICHECK_EQ(out.dtype(), dl_bfloat16) << "out must be bfloat16";
   TVM_FFI_ICHECK_EQ(q_scale.dtype(), dl_float32) << "q_scale must be float32";
+  TVM_FFI_ICHECK_EQ(v_scale.dtype(), dl_float32) << "v_scale must be float32";
   TVM_FFI_ICHECK_EQ(cu_seqlens.dtype(), dl_int32) << "cu_seqlens must be int32";
   TVM_FFI_ICHECK_EQ(v_starts.dtype(), dl_int32) << "v_starts must be int32";
   TVM_FFI_ICHECK_EQ(qk.ndim(), 3) << "qk must be [tokens, heads_q + heads_kv, head_dim]";
@@ -54,6 +58,9 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   TVM_FFI_ICHECK_EQ(v_t.shape()[2] % 16, 0) << "v_t's columns must be a multiple of 16 (TMA row stride)";
   const int64_t total_tokens = qk.shape()[0];
   const int64_t batch = cu_seqlens.shape()[0] - 1;
+  TVM_FFI_ICHECK(v_scale.ndim() == 3 && v_scale.shape()[0] == batch && v_scale.shape()[1] == heads_q &&
+                 v_scale.shape()[2] == head_dim && v_scale.IsContiguous())
+      << "v_scale must be a contiguous [batch, heads_q, head_dim] tensor";
 
   bert::Fused_multihead_attention_params_v2 params;
   std::memset(&params, 0, sizeof(params));
@@ -76,13 +83,16 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   // Warp-specialized kernels take the bmm1 scale in the log2 domain (they use exp2).
   params.scale_bmm1 = float_bits(static_cast<float>(softmax_scale * M_LOG2E));
   params.scale_softmax = float_bits(1.f);
-  params.scale_bmm2 = float_bits(1.f);  // V's per-channel scales are applied by the caller
+  params.scale_bmm2 = float_bits(1.f);  // V's per-channel scales are applied through params.sage.v
   params.is_uniform_q = total_tokens == batch * max_seqlen;
   params.tile_id_counter_ptr = static_cast<uint32_t*>(tile_counter.data_ptr());
   params.skip_softmax_threshold_scale_factor = static_cast<float>(skip_softmax_threshold_scale_factor);
   params.sage.q.block_size = static_cast<int>(q_block);
   params.sage.q.max_nblock = static_cast<int>((max_seqlen + q_block - 1) / q_block);
   params.sage.q.scales = static_cast<float*>(q_scale.data_ptr());
+  // Kernels without V blocks never read params.sage.v: the patched epilogue takes V's per-channel scales from it.
+  params.sage.v.max_nblock = static_cast<int>(head_dim);
+  params.sage.v.scales = static_cast<float*>(v_scale.data_ptr());
   if (k_block > 0) {
     params.sage.k.block_size = static_cast<int>(k_block);
     params.sage.k.max_nblock = static_cast<int>((max_seqlen + k_block - 1) / k_block);
