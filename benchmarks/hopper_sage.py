@@ -2,9 +2,10 @@
 bf16 and this package's Triton SAGE kernel, in one process on one H200.
 
 1. Build: the FMHAv2 SAGE module (``kernels.fmha_v2_sage``) and FlashInfer's FMHAv2 bf16 module, concurrently.
-2. Accuracy at small shapes (ragged batch, GQA): every compiled (K block, KV step) against the reference of its
-   semantics (``backends.reference`` with FMHAv2's blocks, P·256, 64 × 128 skip tiles in kv_step steps) and exact
-   float32 attention, dense and with Skip-Softmax.
+2. ``accumulator``: the reference's model of sm_90's fp8 tensor-core sums against cuBLAS's unpromoted fp8 GEMM.
+   ``accuracy`` at small shapes (ragged batch, GQA): every compiled (K block, KV step) against the reference of its
+   semantics (``backends.reference`` with FMHAv2's blocks, P·256, 64 × 128 skip tiles in kv_step steps, fp8
+   tensor-core sums; and with exact sums) and exact float32 attention, dense and with Skip-Softmax.
 3. Speed at Wan 2.2's self-attention shape (75,600 tokens × 40 heads × 128, batch 1, random N(0, 1) data),
    quantization included: cuDNN SDPA, FMHAv2 bf16, FMHAv2 SAGE fp8 for each kernel, Triton SAGE fp8 / int8, and
    FlashAttention-4 when importable. TFLOP/s counts 4·S²·D·H. Error vs float32 exact attention on two heads.
@@ -37,7 +38,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.data import published_curve_qkv, random_qkv, skip_factor  # noqa: E402
-from diffusers_trtllm.backends.reference import reference_attention  # noqa: E402
+from diffusers_trtllm.backends import trtllm  # noqa: E402
+from diffusers_trtllm.backends.reference import fp8_gmma_matmul, reference_attention  # noqa: E402
 from diffusers_trtllm.kernels import fmha_v2_sage, flashinfer_fmha, triton_sage  # noqa: E402
 from diffusers_trtllm.quant import SageSemantics  # noqa: E402
 
@@ -94,9 +96,9 @@ def exact(q, k, v) -> torch.Tensor:
                            SDPBackend.EFFICIENT_ATTENTION) for h in range(q.shape[1])], dim=1)
 
 
-def fmha_semantics(kernel) -> SageSemantics:
+def fmha_semantics(kernel, accumulator_bits: int | None = trtllm.SM90_FP8_ACCUMULATOR_BITS) -> SageSemantics:
     return SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, kernel.k_block, p_scale=fmha_v2_sage.P_SCALE,
-                         kv_step=kernel.kv_step)
+                         kv_step=kernel.kv_step, fp8_accumulator_bits=accumulator_bits)
 
 
 def cu(lengths, device="cuda") -> torch.Tensor:
@@ -186,21 +188,41 @@ def accuracy() -> None:
             if kernel.skip_softmax != (factor > 0):
                 continue
             out = fmha_sage(qq, kk, vv, lengths, kernel, factor)
-            refs, exacts, skipped, total = [], [], 0, 0
+            refs, exact_sums, exacts, skipped, total = [], [], [], 0, 0
             for i, n in enumerate(lengths):
                 rows = slice(starts[i], starts[i] + n)
-                ref, s, t = reference_attention(qq[rows].float(), kk[rows].float(), vv[rows].float(), SCALE,
-                                                skip_lambda=factor / n, quant=fmha_semantics(kernel),
-                                                tile=fmha_v2_sage.SKIP_TILE, kv_step=kernel.kv_step,
-                                                query_chunk=4096)
+                seq = (qq[rows].float(), kk[rows].float(), vv[rows].float(), SCALE)
+                same = dict(skip_lambda=factor / n, tile=fmha_v2_sage.SKIP_TILE, kv_step=kernel.kv_step)
+                ref, s, t = reference_attention(*seq, quant=fmha_semantics(kernel), **same)
                 refs.append(ref)
+                exact_sums.append(reference_attention(*seq, quant=fmha_semantics(kernel, None), query_chunk=4096,
+                                                      **same)[0])
                 exacts.append(reference_attention(qq[rows].float(), kk[rows].float(), vv[rows].float(), SCALE,
                                                   query_chunk=4096)[0])
                 skipped, total = skipped + s, total + t
             log("accuracy", data=name, kernel=sage_name(kernel), k_block=kernel.k_block, kv_step=kernel.kv_step,
                 skip_factor=factor,
                 finite=bool(torch.isfinite(out).all()), err_vs_same_semantics=rel_err(out, torch.cat(refs)),
+                err_vs_same_semantics_exact_sums=rel_err(out, torch.cat(exact_sums)),
                 err_vs_exact=rel_err(out, torch.cat(exacts)), ref_sparsity=float(skipped) / float(total) if factor else 0.0)
+
+
+def accumulator() -> None:
+    """sm_90's fp8 tensor-core sums: cuBLAS's fp8 GEMM without promotion to float32 (``use_fast_accum``) against
+    exact sums and the reference's model (:func:`~diffusers_trtllm.backends.reference.fp8_gmma_matmul`) at several
+    grid widths; the reference uses ``trtllm.SM90_FP8_ACCUMULATOR_BITS``."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    one = torch.ones((), device="cuda")
+    for depth in (128, 4096):
+        a, b = ((torch.randn(256, depth, device="cuda", generator=gen) * 40).clamp(-448, 448)
+                .to(torch.float8_e4m3fn) for _ in range(2))
+        fast = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True)
+        row = {"exact": rel_err(a.double() @ b.double().t(), fast)}
+        for bits in (12, 13, 14, 15, 16):
+            emulated = fp8_gmma_matmul(a.float(), b.float().t(), bits)
+            row[f"{bits} bits"] = {"rel_diff": rel_err(emulated, fast),
+                                   "bit_exact": float((emulated == fast).float().mean())}
+        log("accumulator", depth=depth, vs_cublas_fast_accumulation=row)
 
 
 def wan_speed(tokens: int, heads: int) -> dict:
@@ -318,7 +340,7 @@ def paired_ratio(tokens: int, heads: int, rounds: int = 15) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
-    valid = ("accuracy", "wan", "curve", "curve256", "floor", "ratio")
+    valid = ("accumulator", "accuracy", "wan", "curve", "curve256", "floor", "ratio")
     parser.add_argument("--sections", default=",".join(valid), help=f"comma-separated: {', '.join(valid)}")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -332,6 +354,8 @@ def main() -> None:
                            flashinfer=flashinfer.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            shape=[tokens, heads, 128])
     build(bf16=bool(sections & {"wan", "curve", "curve256", "floor"}))
+    if "accumulator" in sections:
+        accumulator()
     if "accuracy" in sections:
         accuracy()
     if "ratio" in sections:

@@ -16,6 +16,8 @@ semantics each kernel has. Per sequence (or per batch, see below) and per head:
 - ``batch_stats``: K's mean and V's per-channel scales come from all tokens of the packed batch rather than from
   each sequence (FlashInfer's trtllm-gen quantizer, whose ``k_mean`` / ``v_scale`` are ``[H, D]``).
 - ``k_block`` 0: one K scale per sequence and head (a block as long as the sequence).
+- ``fp8_accumulator_bits``: Q·Kᵀ and P·V summed as Hopper's fp8 tensor cores sum (see :class:`SageSemantics`),
+  for kernels whose accumulators never leave the tensor core between instructions; None: exact float32 sums.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ _TINY = 1e-12  # keeps an all-zero block's scale finite
 class SageSemantics:
     """What one SAGE kernel computes: Q/K dtype and blocks (tokens; ``k_block`` 0 = one scale per sequence and
     head), P's fp8 scale, whether K's mean and V's scales are batch-wide, and the keys per online-softmax step its
-    Skip-Softmax decisions compare against (``None``: each decision tile is its own step)."""
+    Skip-Softmax decisions compare against (``None``: each decision tile is its own step).
+
+    ``fp8_accumulator_bits``: the kernel's fp8 products are summed by sm_90's tensor cores, each instruction
+    adding its 32 products to the accumulator after aligning all of them to the largest exponent among them and
+    the accumulator and truncating to this many bits; Q·Kᵀ chains its four instructions (head_dim 128), P·V keeps
+    one accumulator across all KV steps (rescaled exactly in between). ``None``: exact float32 sums."""
 
     dtype_qk: str
     q_block: int
@@ -42,6 +49,7 @@ class SageSemantics:
     p_scale: float = P_SCALE
     batch_stats: bool = False
     kv_step: int | None = None
+    fp8_accumulator_bits: int | None = None
 
 
 def qmax(dtype_qk: str) -> float:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from diffusers_trtllm.backends import run_backend
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
-from diffusers_trtllm.backends.reference import reference_attention
+from diffusers_trtllm.backends.reference import aligned_sum, fp8_gmma_matmul, reference_attention
 from diffusers_trtllm.quant import SageSemantics, quantize_blocks, quantize_sequence
 
 from helpers import rel_err
@@ -122,6 +122,60 @@ def test_kv_step_must_hold_whole_tiles():
     q = torch.randn(8, 1, 16)
     with pytest.raises(ValueError, match="kv_step=192 is not a multiple of the tile's 128 keys"):
         reference_attention(q, q, q, 1.0, skip_lambda=0.1, kv_step=192)
+
+
+def test_aligned_sum_truncates_every_term_to_the_bits_below_the_largest():
+    terms = torch.tensor([[1.5], [2.0 ** -13], [2.0 ** -14 * 3], [-(2.0 ** -12) * 1.75]])
+    # largest magnitude 1.5 < 2^1: grid 2^(1 - 14) = 2^-13; each term truncated toward zero onto it
+    assert aligned_sum(terms, 14).item() == 1.5 + 2.0 ** -13 + 2.0 ** -13 - 3 * 2.0 ** -13
+    assert aligned_sum(terms, 40).item() == terms.sum().item()
+    assert aligned_sum(torch.zeros(3, 2), 14).tolist() == [0.0, 0.0]
+
+
+def _fp8_values(*shape, generator):
+    return (torch.randn(*shape, generator=generator) * 60).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+
+
+def test_fp8_gmma_matmul_sums_groups_of_32_into_the_accumulator():
+    gen = torch.Generator().manual_seed(3)
+    a, b, acc = _fp8_values(2, 300, 96, generator=gen), _fp8_values(2, 96, 40, generator=gen), torch.randn(2, 300, 40)
+    exact = acc.double() + a.double() @ b.double()
+    assert torch.allclose(fp8_gmma_matmul(a, b, 60, acc).double(), exact, rtol=1e-5, atol=0.1)  # float32 sums
+    # brute force: the accumulator and each group of 32 products added on one truncated grid, group by group
+    brute = acc.clone()
+    for g in range(3):
+        products = a[..., 32 * g:32 * (g + 1), None] * b[:, None, 32 * g:32 * (g + 1)]  # [2, 300, 32, 40]
+        terms = torch.cat([brute[..., None, :], products], dim=-2)
+        step = 2.0 ** (torch.frexp(terms.abs().amax(dim=-2)).exponent - 14).float()
+        brute = (torch.trunc(terms / step[..., None, :]) * step[..., None, :]).sum(dim=-2)
+    got = fp8_gmma_matmul(a, b, 14, acc)
+    assert torch.equal(got, brute) and not torch.allclose(got.double(), exact, rtol=1e-5, atol=0.1)
+    # a row whose group is not issued keeps its accumulator through that group
+    active = torch.ones(2, 300, 3, dtype=torch.bool)
+    active[:, :7] = False
+    assert torch.equal(fp8_gmma_matmul(a, b, 14, acc, active)[:, :7], acc[:, :7])
+
+
+@pytest.mark.parametrize("skip", [0.0, 0.02])
+def test_emulated_fp8_accumulation_only_changes_how_sums_round(skip):
+    """With a grid finer than float32 the emulated path equals the exact one: the scales, steps and skipped tiles
+    reach the emulated sums as they reach the exact ones."""
+    torch.manual_seed(4)
+    q, k, v = local_qkv(s=600, h=2, d=128, dtype=torch.float32)
+    base = SageSemantics("fp8_e4m3", 64, 0, p_scale=256.0, kv_step=256)
+    runs = {bits: reference_attention(q, k, v, 128 ** -0.5, skip_lambda=skip, tile=(64, 128), kv_step=256,
+                                      quant=SageSemantics(**{**base.__dict__, "fp8_accumulator_bits": bits}))
+            for bits in (None, 60, 14)}
+    assert runs[None][1:] == runs[60][1:] and (skip == 0.0 or runs[None][1] > 0)
+    assert rel_err(runs[60][0], runs[None][0]) < 1e-5
+    assert 1e-4 < rel_err(runs[14][0], runs[None][0]) < 2e-2  # P's fp8 steps turn accumulator rounding into noise
+
+
+def test_emulated_fp8_accumulation_needs_whole_instructions_per_tile():
+    q = torch.randn(64, 1, 128)
+    with pytest.raises(ValueError, match="whole 32-key"):
+        reference_attention(q, q, q, 1.0, tile=(64, 16),
+                            quant=SageSemantics("fp8_e4m3", 64, 0, fp8_accumulator_bits=14))
 
 
 def test_int8_block_quantization_error_is_at_most_half_a_step():

@@ -13,7 +13,10 @@ SAGE follows the semantics of the kernel ``TRTLLM_ATTN`` runs for the plan's qua
 (:func:`~.trtllm.sage_semantics`: per-sequence or batch-wide K mean and V scales, block sizes, P's fp8 scale), so
 the reference and the kernel agree to the output rounding; on a CPU, this package's Triton kernel's semantics.
 Skip decisions are per ``plan.tile``, against the running max at the start of the kernel's online-softmax step
-(the Hopper FMHAv2 SAGE kernel decides per 64 × 128 within 256-key steps: that tile reproduces it exactly).
+(the Hopper FMHAv2 SAGE kernel decides per 64 × 128 within 256-key steps: that tile reproduces it exactly). For
+kernels whose fp8 sums stay in sm_90's tensor-core accumulator (``SageSemantics.fp8_accumulator_bits``), the
+reference sums as those tensor cores do (:func:`fp8_gmma_matmul`): fp8 P turns score differences of that
+accumulator's rounding into whole fp8 steps of P, so exact sums would leave the kernel well above the bf16 floor.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
 from .trtllm import sage_semantics
 
 QUERY_CHUNK = 2048  # query rows processed together; a multiple of every supported tile height
+GMMA_K = 32  # products one sm_90 fp8 tensor-core instruction adds into its accumulator
+GMMA_ROWS = 256  # rows emulated together: bounds the [rows, 32, columns] products in memory
 
 
 def mask_future_keys(scores: torch.Tensor, q_start: int, k_start: int, sq: int, skv: int) -> torch.Tensor:
@@ -47,6 +52,36 @@ def step_keys(kv_step: int | None, tile_keys: int) -> int:
     if step % tile_keys:
         raise ValueError(f"kv_step={kv_step!r} is not a multiple of the tile's {tile_keys} keys")
     return step
+
+
+def aligned_sum(terms: torch.Tensor, bits: int) -> torch.Tensor:
+    """Sum over ``terms``' second-to-last dimension as one sm_90 fp8 tensor-core instruction adds: every term
+    truncated toward zero to a multiple of ``2^(e - bits)``, ``2^e`` the power of two just above the largest
+    magnitude among them. Exact in float32 (a few dozen terms on one grid of ``bits`` bits)."""
+    exponent = torch.frexp(terms.abs().amax(dim=-2, keepdim=True)).exponent
+    step = torch.ldexp(torch.ones_like(exponent, dtype=terms.dtype), exponent - bits)
+    return (torch.trunc(terms / step) * step).sum(dim=-2)
+
+
+def fp8_gmma_matmul(a: torch.Tensor, b: torch.Tensor, bits: int, acc: torch.Tensor | None = None,
+                    active: torch.Tensor | None = None) -> torch.Tensor:
+    """``acc + a @ b`` (``a [..., M, K]``, ``b [..., K, N]``, fp8 values) summed as sm_90's fp8 tensor cores do:
+    K in groups of :data:`GMMA_K` from the first column, each group's products and the running accumulator
+    added by :func:`aligned_sum`. ``acc`` ``[..., M, N]``: the accumulator to continue (None: zeros).
+    ``active`` ``[..., M, ceil(K / GMMA_K)]`` bool: groups a row issues (a skipped tile issues none and leaves
+    its rows' accumulator untouched)."""
+    m, k = a.shape[-2:]
+    if acc is None:
+        acc = torch.zeros(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
+    out = []
+    for r in range(0, m, GMMA_ROWS):
+        rows = acc[..., r:r + GMMA_ROWS, :]
+        for g, c in enumerate(range(0, k, GMMA_K)):
+            products = a[..., r:r + GMMA_ROWS, c:c + GMMA_K, None] * b[..., None, c:c + GMMA_K, :]
+            summed = aligned_sum(torch.cat([rows[..., None, :], products], dim=-2), bits)
+            rows = summed if active is None else torch.where(active[..., r:r + GMMA_ROWS, g, None], summed, rows)
+        out.append(rows)
+    return torch.cat(out, dim=-2)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
@@ -76,11 +111,20 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     if hkv != hq:
         k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
         k_mean, v_scale = (None if x is None else x.repeat_interleave(hq // hkv, dim=0) for x in (k_mean, v_scale))
+    bits = quant.fp8_accumulator_bits if quant is not None else None
+    if bits and tk % GMMA_K:
+        raise ValueError(f"tile={tile!r}: emulating fp8 tensor-core sums needs key tiles of whole {GMMA_K}-key "
+                         "instructions")
     if quant is not None:
         sage = quantize_sequence(q, k, v, quant, k_mean, v_scale)
-        q, k, v, v_scale = sage.q * (sage.q_scale * scale), sage.k * sage.k_scale, sage.v, sage.v_scale
-        # scores = (q_values · k_values) * q_scale * k_scale * softmax scale, folded into q and k above; exact for
-        # int8 values (|sum| < 2^24) and fp8 values up to fp32 accumulation order.
+        if bits:  # scores = gmma(q_values, k_values) * q_scale * softmax scale * k_scale
+            q, k, v, v_scale = sage.q, sage.k, sage.v, sage.v_scale
+            q_factor = (sage.q_scale * scale).transpose(0, 1)  # [H, Sq, 1]
+            k_factor = sage.k_scale.transpose(0, 1).transpose(1, 2)  # [H, 1, Skv]
+        else:
+            q, k, v, v_scale = sage.q * (sage.q_scale * scale), sage.k * sage.k_scale, sage.v, sage.v_scale
+            # scores = (q_values · k_values) * q_scale * k_scale * softmax scale, folded into q and k; exact for
+            # int8 values (|sum| < 2^24) and fp8 values up to fp32 accumulation order.
     else:
         q = q * scale
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, S, D]
@@ -95,7 +139,11 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         ntq = -(-rows // tq)
         row_pad = ntq * tq - rows
         for j0 in range(0, skv, step):
-            s = qc @ kh[:, j0:j0 + step].transpose(1, 2)  # [H, rows, ≤ step]
+            if bits:
+                s = (fp8_gmma_matmul(qc, kh[:, j0:j0 + step].transpose(1, 2), bits)
+                     * q_factor[:, c0:c0 + rows] * k_factor[..., j0:j0 + step])
+            else:
+                s = qc @ kh[:, j0:j0 + step].transpose(1, 2)  # [H, rows, ≤ step]
             if causal:
                 s = mask_future_keys(s, c0, j0, sq, skv)
             cols = s.shape[-1]
@@ -113,8 +161,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
                 keep_tiles = ~tile_skip.repeat_interleave(tq, dim=1)[:, :rows]  # [H, rows, ntk]
                 tmax = torch.where(keep_tiles, tmax, -math.inf)
                 keep = keep_tiles.repeat_interleave(tk, dim=2)[..., :cols].to(compute)
+                issued = keep_tiles.repeat_interleave(tk // GMMA_K, dim=2) if bits else None
             else:
-                keep = None
+                keep = issued = None
             total += hq * ntq * ntk
             new_m = torch.maximum(m, tmax.amax(-1))
             safe_m = torch.where(new_m == -math.inf, torch.zeros_like(new_m), new_m)
@@ -124,7 +173,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
             alpha = torch.exp(m - safe_m)
             pv_in = quantize_p(p, quant.p_scale) if quant is not None else p
             lsum = lsum * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + pv_in @ vh[:, j0:j0 + step]
+            if bits:
+                acc = fp8_gmma_matmul(pv_in, vh[:, j0:j0 + step], bits, acc * alpha[..., None], issued)
+            else:
+                acc = acc * alpha[..., None] + pv_in @ vh[:, j0:j0 + step]
             m = new_m
         # a row that sees no key (causal, more queries than keys) gets 0, as PyTorch's SDPA gives
         out[:, c0:c0 + rows] = torch.where(lsum[..., None] > 0, acc / lsum[..., None], 0.0)

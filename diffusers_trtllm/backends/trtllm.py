@@ -77,6 +77,10 @@ PORTABLE_BLOCKS = (1, 16)  # q, k blocks for unset sizes on kernels other than F
 # without skipping.
 FMHA_V2_DEFAULT_K_BLOCK = 0
 FMHA_V2_KV_STEP = 256
+# sm_90's fp8 tensor cores add each instruction's 32 products to the accumulator at 14 bits below the largest
+# exponent among them (fitted on cuBLAS's fast-accumulation fp8 GEMM, benchmarks/RESULTS.md); FMHAv2 keeps its sums
+# in that accumulator, so the reference of its semantics sums the same way.
+SM90_FP8_ACCUMULATOR_BITS = 14
 FMHA_V2_USER_K_BLOCKS = tuple(b for b in fmha_v2_sage.K_BLOCKS if b)  # 0 (per sequence) is internal only
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the
@@ -158,7 +162,7 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, equal) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
         semantics = SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, k_block, p_scale=fmha_v2_sage.P_SCALE,
-                                  kv_step=FMHA_V2_KV_STEP)
+                                  kv_step=FMHA_V2_KV_STEP, fp8_accumulator_bits=SM90_FP8_ACCUMULATOR_BITS)
         kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
     else:
         q_block = PORTABLE_BLOCKS[0] if quant.q_block_size is None else quant.q_block_size
