@@ -306,45 +306,42 @@ HALF_STEP_SKIP_PATCHES = (
 )
 
 
-# V's per-channel scales multiply the output in the kernel's epilogue, with the 1 / row sum, before the bf16
+# V's per-channel scales multiply the output in the kernel's epilogue, after the 1 / row sum, before the bf16
 # store: a separate pass over the bf16 output cost more than 1 % of the Wan-shape call and rounded it twice. The
 # binding passes them through ``params.sage.v`` (``[B, Hq, 128]``, ``max_nblock`` = 128 channels), unused
-# otherwise by kernels without V blocks. O's accumulator columns hold V^T's rows, whose channels the quantizer
-# permuted (:class:`~.triton_sage.QuantizeTargets` ``v_fmha_v2_order``): in each 16-column group, the thread with
+# otherwise by kernels without V blocks; the pointer is formed after the KV loop, so no register holds it there.
+# O's accumulator columns hold V^T's rows, whose channels the quantizer permuted
+# (:class:`~.triton_sage.QuantizeTargets` ``v_fmha_v2_order``): in each 16-column group, the thread with
 # ``lane % 4 == c`` holds in core ``ni`` the channels ``4·c + ni % 2`` and ``+ 2`` (FMHAv2's e4m3 O store puts
 # them back in order).
 V_SCALE_EPILOGUE_PATCHES = (
     ("fmha/warpspec/epilogue.h",
-     "      : Base(params, block_info), scale_bmm2_(params.scale_bmm2) {}\n",
-     "      : Base(params, block_info), scale_bmm2_(params.scale_bmm2),\n"
-     "        v_scales_(params.sage.v.scales +\n"
-     "                  static_cast<int64_t>(block_info.bidb * params.h + block_info.bidh) * params.sage.v.max_nblock) {}\n"
-     "  // diffusers_trtllm: this head's per-channel V scales.\n"
-     "  float const* v_scales_;\n"),
-    ("fmha/warpspec/epilogue.h",
-     "        global_sum[mi] *= Traits_o::SOFTMAX_FP_DEQUANT_SCALE;\n"
+     "  // Scale_bmm2.\n  uint32_t scale_bmm2_;\n",
+     "  // diffusers_trtllm: O's columns times V's per-channel scales (``v_scales``: this head's, by channel).\n"
+     "  inline __device__ void scale_channels(Compute_tile_o& ctile_o, float const* v_scales) {\n"
+     "#pragma unroll\n"
+     "    for (int mma_ni = 0; mma_ni < Mma_tile_o::MMAS_N; mma_ni++) {\n"
+     "#pragma unroll\n"
+     "      for (int ni = 0; ni < Mma_tile_o::CORES_N; ni++) {\n"
+     "        int const channel = mma_ni * Mma_tile_o::N_PER_MMA + 16 * (ni / 2) + 4 * (threadIdx.x % 4) + ni % 2;\n"
+     "        float const scale0 = __ldg(v_scales + channel);\n"
+     "        float const scale1 = __ldg(v_scales + channel + 2);\n"
+     "#pragma unroll\n"
+     "        for (int mi = 0; mi < Mma_tile_o::CORES_M; mi++) {\n"
+     "          ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi) *= scale0;\n"
+     "          ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi + 1) *= scale1;\n"
+     "        }\n"
      "      }\n"
-     "// Assume only N has multiple MMAs (MMAS_M = 1).\n"
-     "#pragma unroll\n"
-     "      for (int mma_ni = 0; mma_ni < Mma_tile_o::MMAS_N; mma_ni++) {\n"
-     "#pragma unroll\n"
-     "        for (int ni = 0; ni < Mma_tile_o::CORES_N; ni++) {\n"
-     "          float& reg0 = ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi);\n"
-     "          float& reg1 = ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi + 1);\n"
-     "          reg0 *= scale;\n"
-     "          reg1 *= scale;\n",
-     "        global_sum[mi] *= Traits_o::SOFTMAX_FP_DEQUANT_SCALE;\n"
-     "      }\n"
-     "// Assume only N has multiple MMAs (MMAS_M = 1).\n"
-     "#pragma unroll\n"
-     "      for (int mma_ni = 0; mma_ni < Mma_tile_o::MMAS_N; mma_ni++) {\n"
-     "#pragma unroll\n"
-     "        for (int ni = 0; ni < Mma_tile_o::CORES_N; ni++) {\n"
-     "          float& reg0 = ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi);\n"
-     "          float& reg1 = ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi + 1);\n"
-     "          int const channel = mma_ni * Mma_tile_o::N_PER_MMA + 16 * (ni / 2) + 4 * (threadIdx.x % 4) + ni % 2;\n"
-     "          reg0 *= scale * __ldg(v_scales_ + channel);\n"
-     "          reg1 *= scale * __ldg(v_scales_ + channel + 2);\n"),
+     "    }\n"
+     "  }\n"
+     "\n"
+     "  // Scale_bmm2.\n  uint32_t scale_bmm2_;\n"),
+    ("fmha/warpspec/compute.h",
+     "          tile_o_epilogue.scale(ctile_o, p_max, p_sum);\n",
+     "          tile_o_epilogue.scale(ctile_o, p_max, p_sum);\n"
+     "          tile_o_epilogue.scale_channels(  // diffusers_trtllm: V's per-channel scales\n"
+     "              ctile_o, params.sage.v.scales + static_cast<int64_t>(head_info.bidb * params.h + head_info.bidh) *\n"
+     "                                                  params.sage.v.max_nblock);\n"),
 )
 
 
