@@ -318,6 +318,26 @@ def test_gpu_fp8_accumulation_emulation_matches_cublas_fast_accumulation():
 
 
 @pytest.mark.gpu
+def test_gpu_quantizer_matches_reference_bit_for_bit():
+    """The compiled quantizer against the reference's on bf16 data, whose quotients by a block scale often land
+    exactly between two fp8 values: Q and V bit for bit; K up to its mean's summation order (float atomics)."""
+    _hopper()
+    qkv = _peaky((1000, 3001), 8, 2)
+    cu = qkv.cu_seqlens("q")
+    packed = fmha_v2_sage.sage_quantize_packed(qkv.q, qkv.k, qkv.v, cu, 3001, 64)
+    semantics = SageSemantics("fp8_e4m3", 64, 64, p_scale=256.0)
+    start = 0
+    for i, n in enumerate(qkv.seqlens_q):
+        rows = slice(start, start + n)
+        start += n
+        ref = quantize_sequence(qkv.q[rows].float(), qkv.k[rows].float(), qkv.v[rows].float(), semantics)
+        assert torch.equal(packed.qk[rows, :8].float(), ref.q)
+        assert (packed.qk[rows, 8:].float() != ref.k).float().mean() < 1e-4
+        columns = _v_columns(packed.v_starts[i].item(), n)
+        assert torch.equal(packed.v_t[:, V_ROWS.cuda()][:, :, columns].permute(2, 0, 1).float(), ref.v)
+
+
+@pytest.mark.gpu
 def test_gpu_v_channel_scales_reach_their_channels():
     """V's per-channel scales are applied inside the kernel, to accumulator columns that hold permuted channels:
     with channel magnitudes spread over four decades, a scale applied to the wrong channel is off by up to 10^4."""
