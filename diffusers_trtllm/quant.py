@@ -56,6 +56,13 @@ def qmax(dtype_qk: str) -> float:
     return INT8_MAX if dtype_qk == "int8" else FP8_MAX
 
 
+def scale_of(amax: torch.Tensor, q_max: float) -> torch.Tensor:
+    """``amax / q_max`` correctly rounded, as the kernels' quantizers divide (amax floored at a tiny value). The
+    divisor is a tensor on purpose: CUDA PyTorch multiplies by the rounded reciprocal of a Python-number divisor,
+    one ulp off in some blocks, and every value of such a block can then round to another fp8 neighbour."""
+    return amax.clamp_min(_TINY) / torch.full_like(amax, q_max)
+
+
 def round_to(x: torch.Tensor, dtype_qk: str) -> torch.Tensor:
     """Round already-scaled values onto the target grid, returned in x's dtype (exact values of the target type)."""
     if dtype_qk == "int8":
@@ -75,7 +82,7 @@ def quantize_blocks(x: torch.Tensor, block_size: int, dtype_qk: str) -> tuple[to
     xp = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
     blocks = xp.reshape(nblk, block_size, h, d)
     amax = blocks.abs().amax(dim=(1, 3))  # [nblk, h]
-    scale = amax.clamp_min(_TINY) / qmax(dtype_qk)
+    scale = scale_of(amax, qmax(dtype_qk))
     values = round_to(blocks / scale[:, None, :, None], dtype_qk).reshape(nblk * block_size, h, d)[:t]
     return values, scale.transpose(0, 1).contiguous()
 
@@ -87,7 +94,7 @@ def expand_block_scales(scale: torch.Tensor, block_size: int, tokens: int) -> to
 
 def quantize_v_per_channel(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``v [tokens, heads, D]`` -> ``(fp8 values in v's dtype, scales [heads, D])``."""
-    scale = v.abs().amax(dim=0).clamp_min(_TINY) / FP8_MAX
+    scale = scale_of(v.abs().amax(dim=0), FP8_MAX)
     return round_to(v / scale, "fp8_e4m3"), scale
 
 
@@ -130,4 +137,4 @@ def quantize_sequence(q, k, v, semantics: SageSemantics, k_mean: torch.Tensor | 
 def batch_statistics(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K's mean and V's per-channel fp8 scale over every token of a packed batch (``[tokens, heads, D]`` each):
     ``(k_mean [heads, D], v_scale [heads, D])``, the statistics of batch-wide semantics."""
-    return k.mean(dim=0), v.abs().amax(dim=0).clamp_min(_TINY) / FP8_MAX
+    return k.mean(dim=0), scale_of(v.abs().amax(dim=0), FP8_MAX)

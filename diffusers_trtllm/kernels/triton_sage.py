@@ -393,20 +393,7 @@ def _quantize_token_blocks(x, QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: 
 def _round_to_grid(scaled, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
     if IS_INT8:
         return tl.minimum(tl.maximum(_round_half_even(scaled), -QMAX), QMAX)
-    return _round_fp8_half_even(tl.minimum(tl.maximum(scaled, -QMAX), QMAX))
-
-
-@_jit
-def _round_fp8_half_even(x):
-    """float32 values within ±448 -> the nearest fp8 e4m3 value, ties to even (torch's cast), as float32: the
-    cast to fp8 at the store is then exact. Triton's own float32 -> fp8 conversion breaks exact ties otherwise,
-    and quotients of bf16 inputs by their block scale land on ties often enough to matter."""
-    # e4m3 keeps 3 fraction bits; below 2^-6 its values are subnormal, with the fixed step 2^-9. Steps are powers
-    # of two built from exponent bits, so both multiplications are exact.
-    exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    inverse_step = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
-    return _round_half_even(x * inverse_step) * step
+    return tl.minimum(tl.maximum(scaled, -QMAX), QMAX)  # the fp8 cast at the store rounds to nearest even
 
 
 @_jit
@@ -511,7 +498,7 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, 
         if chunk == 0:
             tl.store(v_scale_ptr + stats, v_scale)
         v = tl.load(v_ptr + rows * stride_vt + head * stride_vh + dims[None, :], mask=valid, other=0.0)
-        v = _round_to_grid(tl.math.div_rn(v.to(tl.float32), v_scale[None, :]), _FP8_MAX, False)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), v_scale[None, :]), -_FP8_MAX), _FP8_MAX)
         if V_TRANSPOSED:
             # Zeros (from the masked load) fill the sequence's columns up to the next multiple of 16: the
             # attention kernel reads V^T in 16-byte vectors masked at that multiple.
