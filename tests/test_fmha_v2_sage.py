@@ -23,7 +23,7 @@ from diffusers_trtllm.backends.reference import fp8_gmma_matmul, reference_atten
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.errors import AttentionConfigError
 from diffusers_trtllm.kernels import fmha_v2_sage
-from diffusers_trtllm.quant import SageSemantics, quantize_sequence
+from diffusers_trtllm.quant import SageSemantics, quantize_sequence, scale_of
 
 fmha_library = pytest.importorskip("flashinfer.jit.attention.fmha_v2.fmha_library")
 
@@ -298,7 +298,7 @@ def test_gpu_fmha_v2_sage_matches_reference_of_its_semantics(k_block, skip_facto
     assert torch.isfinite(out).all() and out.shape == qkv.q.shape
     # Same semantics, sm_90's fp8 accumulation included: what is left is the bf16 output rounding; a skip decision
     # the kernel took differently from the reference would add far more.
-    assert _rel(out, ref.out) < 6e-3  # 3.9e-3 to 4.7e-3 measured on an H200
+    assert _rel(out, ref.out) < 6e-3  # 3.9e-3 to 4.7e-3 measured on an H200 before the reference's exact scales
     assert _rel(out, exact.out) < 9e-2  # what SAGE costs here (6.7e-2 measured)
 
 
@@ -315,6 +315,15 @@ def test_gpu_fp8_accumulation_emulation_matches_cublas_fast_accumulation():
     exact = a.double() @ b.double().t()
     emulated = fp8_gmma_matmul(a.float(), b.float().t(), trtllm.SM90_FP8_ACCUMULATOR_BITS)
     assert _rel(emulated, fast) < 0.1 * _rel(exact, fast)
+
+
+@pytest.mark.gpu
+def test_gpu_reference_scales_are_correctly_rounded_quotients():
+    """On CUDA, PyTorch divides by a Python number as a multiplication by its rounded reciprocal; the kernels'
+    quantizers divide exactly, and so must the reference's block scales."""
+    _hopper()
+    amax = torch.rand(1 << 20, device="cuda") * 8
+    assert torch.equal(scale_of(amax, 448.0), (amax.double() / 448.0).float())
 
 
 @pytest.mark.gpu

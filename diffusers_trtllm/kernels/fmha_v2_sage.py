@@ -13,8 +13,8 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   128; 0 = one scale per sequence and head, multiplied into Q's scales so the kernel does no per-key scaling)
   quantized to fp8 e4m3 (scale = block amax / 448), blocks from each sequence's start;
 - V per (sequence, head, channel) to fp8 e4m3. The kernel's own V block scales are loaded but never applied
-  (``compute.h``'s ``APPLY_SCALE_V`` only records them, in FlashInfer 0.7.2 as in TRT-LLM), so the kernel runs
-  with V scales of 1 and its bf16 output is multiplied by V's per-channel scales afterwards;
+  (``compute.h``'s ``APPLY_SCALE_V`` only records them, in FlashInfer 0.7.2 as in TRT-LLM), so the kernels have
+  no V blocks and their epilogue multiplies the output by V's per-channel scales (:data:`V_SCALE_EPILOGUE_PATCHES`);
 - P quantized to fp8 as ``P · 256`` (FMHAv2's ``Softmax_fp_quant_scale<e4m3>``); row sums from unquantized P;
 - Skip-Softmax in the same kernel: each warpgroup (64 query rows) skips 128 keys (:data:`SKIP_TILE`) when every
   row's ``exp(tile_max - running_max) < skip_factor / kv_len``, with ``running_max`` the one at the start of the
