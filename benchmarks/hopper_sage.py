@@ -197,8 +197,7 @@ def accuracy() -> None:
                 refs.append(ref)
                 exact_sums.append(reference_attention(*seq, quant=fmha_semantics(kernel, None), query_chunk=4096,
                                                       **same)[0])
-                exacts.append(reference_attention(qq[rows].float(), kk[rows].float(), vv[rows].float(), SCALE,
-                                                  query_chunk=4096)[0])
+                exacts.append(reference_attention(*seq, query_chunk=4096)[0])
                 skipped, total = skipped + s, total + t
             log("accuracy", data=name, kernel=sage_name(kernel), k_block=kernel.k_block, kv_step=kernel.kv_step,
                 skip_factor=factor,

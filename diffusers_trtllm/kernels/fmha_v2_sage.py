@@ -307,9 +307,10 @@ HALF_STEP_SKIP_PATCHES = (
 
 
 # V's per-channel scales multiply the output in the kernel's epilogue, after the 1 / row sum, before the bf16
-# store: a separate pass over the bf16 output cost more than 1 % of the Wan-shape call and rounded it twice. The
-# binding passes them through ``params.sage.v`` (``[B, Hq, 128]``, ``max_nblock`` = 128 channels), unused
-# otherwise by kernels without V blocks; the pointer is formed after the KV loop, so no register holds it there.
+# store, instead of a separate pass over the bf16 output (1.74 ms at Wan's shape) that rounded it a second time.
+# Measured on an H200 the patched kernel runs about as much slower as the pass cost (benchmarks/RESULTS.md): one
+# rounding fewer, no time gained. The binding passes the scales through ``params.sage.v`` (``[B, Hq, 128]``,
+# ``max_nblock`` = 128 channels), unused otherwise by kernels without V blocks.
 # O's accumulator columns hold V^T's rows, whose channels the quantizer permuted
 # (:class:`~.triton_sage.QuantizeTargets` ``v_fmha_v2_order``): in each 16-column group, the thread with
 # ``lane % 4 == c`` holds in core ``ni`` the channels ``4·c + ni % 2`` and ``+ 2`` (FMHAv2's e4m3 O store puts
@@ -517,8 +518,8 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
     # the kernel reads V's scales per query head
     v_scale = packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1) if heads_q != heads_kv else packed.v_scale
     load_module().sage_attention(packed.qk, packed.v_t, packed.v_starts, out, packed.q_scale, packed.k_scale,
-                                 v_scale, cu_seqlens, tile_counter, heads_q, heads_kv, max(seqlens), Q_BLOCK, packed.k_block,
-                                 kv_step, float(scale), float(skip_factor))
+                                 v_scale, cu_seqlens, tile_counter, heads_q, heads_kv, max(seqlens), Q_BLOCK,
+                                 packed.k_block, kv_step, float(scale), float(skip_factor))
     return out
 
 
