@@ -17,8 +17,8 @@ Skip decisions are per ``plan.tile``, against the running max at the start of th
 kernels whose fp8 sums stay in sm_90's tensor-core accumulator (``SageSemantics.fp8_accumulator_bits``), the
 reference sums as those tensor cores do (:func:`fp8_gmma_matmul`): fp8 P turns score differences of that
 accumulator's rounding into whole fp8 steps of P, so exact sums would leave the kernel well above the bf16 floor.
-The emulation materializes every product (about 80 times the time of exact sums): a reference for tests at small
-shapes, not for whole videos.
+The emulation materializes every product, far slower than exact sums: a reference for tests at small shapes,
+not for whole videos.
 """
 
 from __future__ import annotations
