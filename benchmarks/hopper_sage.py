@@ -10,9 +10,10 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
    quantization included: cuDNN SDPA, FMHAv2 bf16, FMHAv2 SAGE fp8 for each kernel, Triton SAGE fp8 / int8, and
    FlashAttention-4 when importable. TFLOP/s counts 4·S²·D·H. Error vs float32 exact attention on two heads.
 4. Skip-Softmax on data that follows NVIDIA's published Wan 2.2 curve (benchmarks/data.py ``published_curve``)
-   at s = 0.3, 0.5, 0.65, 0.75: the reference's sparsity (128 × 128, FMHAv2 SAGE's 64 × 128 decisions in 256-key
-   steps, and whole 64 × 256 steps as FlashInfer's kernel decides them), time and ×cuDNN of
-   FMHAv2 bf16 + skip, Triton SAGE + skip and FMHAv2 SAGE + skip, error vs each one's own dense output;
+   at s = 0.3, 0.5, 0.65, 0.75: the reference's sparsity (128 × 128; 64 × 128, the Triton kernel's tile on sm_90;
+   FMHAv2 SAGE's 64 × 128 decisions in 256-key steps; whole 64 × 256 steps as FlashInfer's kernel decides them),
+   time and ×cuDNN of FMHAv2 bf16 + skip, Triton SAGE + skip (also int8 at 128 × 128 tiles) and FMHAv2 SAGE +
+   skip, error vs each one's own dense output;
    ``curve256``: the same with one offset per 256 keys (structure as coarse as the kernel's KV step).
 5. ``floor``: each skipping kernel with every tile after the first skipped (what a skipped tile still costs).
 6. ``ratio``: cuDNN SDPA and the default FMHAv2 SAGE kernel timed alternately, the per-round ratio's median/range.
@@ -130,10 +131,11 @@ def flash_attention_4():
     return run
 
 
-def triton(q, k, v, dtype_qk, factor=0.0):
+def triton(q, k, v, dtype_qk, factor=0.0, tile=trtllm.TRITON_SKIP_TILE_SM90):
+    """The Triton SAGE kernel; with ``factor`` > 0 skipping per ``tile`` (default: what TRTLLM_ATTN runs on sm_90)."""
     s = q.shape[0]
     out, _, _ = triton_sage.triton_sage_attention(q, k, v, cu([s]), cu([s]), (s,), (s,), SCALE, dtype_qk=dtype_qk,
-                                                  skip_factor=factor)
+                                                  skip_factor=factor, skip_tile=tile)
     return out
 
 
@@ -272,6 +274,7 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float, data_tile: int = 128) -
     skip_kernels = [kr for kr in fmha_v2_sage.sage_kernels() if kr.skip_softmax and kr.k_block in (0, 64)]
     dense = {"FMHAv2 bf16": fmha_bf16(q, k, v)[:, :ERROR_HEADS].float(),
              "Triton SAGE int8": triton(q, k, v, "int8")[:, :ERROR_HEADS].float(),
+             "Triton SAGE fp8": triton(q, k, v, "fp8_e4m3")[:, :ERROR_HEADS].float(),
              "FMHAv2 SAGE fp8": fmha_sage(q, k, v, (tokens,), skip_kernels[0])[:, :ERROR_HEADS].float()}
     for kr in skip_kernels:
         dense_kernel = fmha_v2_sage.SageKernel(kr.k_block, kr.kv_step, False)
@@ -282,7 +285,8 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float, data_tile: int = 128) -
     for s in SPARSITIES:
         factor = skip_factor(s)
         sparsity = {}
-        for name, tile, kv_step in (("128x128", (128, 128), None), ("64x128 in 256-key steps", (64, 128), 256),
+        for name, tile, kv_step in (("128x128", (128, 128), None), ("64x128", (64, 128), None),
+                                    ("64x128 in 256-key steps", (64, 128), 256),
                                     ("64x256", (64, 256), None)):
             _, skipped, total = reference_attention(q[:, :ERROR_HEADS].float(), k[:, :ERROR_HEADS].float(),
                                                     v[:, :ERROR_HEADS].float(), SCALE, skip_lambda=factor / tokens,
@@ -291,7 +295,9 @@ def skip_curve(tokens: int, heads: int, cudnn_ms: float, data_tile: int = 128) -
         log(section, s=s, factor=factor, reference_sparsity=sparsity)
         runs = [("FMHAv2 bf16 + skip", "FMHAv2 bf16", lambda: fmha_bf16(q, k, v, factor)),
                 ("Triton SAGE int8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "int8", factor)),
-                ("Triton SAGE fp8 + skip", "Triton SAGE int8", lambda: triton(q, k, v, "fp8_e4m3", factor))]
+                ("Triton SAGE int8 + skip, 128 x 128 tiles", "Triton SAGE int8",
+                 lambda: triton(q, k, v, "int8", factor, (128, 128))),
+                ("Triton SAGE fp8 + skip", "Triton SAGE fp8", lambda: triton(q, k, v, "fp8_e4m3", factor))]
         runs += [(f"{sage_name(kr)} + skip", "FMHAv2 SAGE fp8",
                   lambda kr=kr: fmha_sage(q, k, v, (tokens,), kr, factor)) for kr in skip_kernels]
         if data_tile != 128:  # the Triton rows are the 128-key data's

@@ -41,7 +41,10 @@ class SageSemantics:
     ``fp8_accumulator_bits``: the kernel's fp8 products are summed by sm_90's tensor cores, each instruction
     adding its 32 products to the accumulator after aligning all of them to the largest exponent among them and
     the accumulator and truncating to this many bits; Q·Kᵀ chains its four instructions (head_dim 128), P·V keeps
-    one accumulator across all KV steps (rescaled exactly in between). ``None``: exact float32 sums."""
+    one accumulator across all KV steps (rescaled exactly in between). ``None``: exact float32 sums.
+
+    ``skip_tile``: ``(query rows, keys)`` per Skip-Softmax decision where the kernel fixes it (``None``: the plan's
+    tile)."""
 
     dtype_qk: str
     q_block: int
@@ -50,6 +53,7 @@ class SageSemantics:
     batch_stats: bool = False
     kv_step: int | None = None
     fp8_accumulator_bits: int | None = None
+    skip_tile: tuple[int, int] | None = None
 
 
 def qmax(dtype_qk: str) -> float:

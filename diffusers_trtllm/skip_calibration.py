@@ -114,7 +114,7 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
         fit_range: sparsities kept for the fit.
         backend: the backend of the dense calls (``auto``: the best available).
         tile: ``(query rows, key columns)`` per skip decision, counted: the tile of the kernel the curve is for
-            (128 × 128: FMHAv2 bf16 and the Triton kernel's default; 64 × 128: Hopper's FMHAv2 SAGE kernel).
+            (128 × 128: FMHAv2 bf16 on Hopper; 64 × 128: Hopper's SAGE kernels, FMHAv2's and the Triton one).
         kv_step: keys per online-softmax step of that kernel, whose tiles are all decided against the running
             max at the step's start (256 for Hopper's FMHAv2 SAGE kernel; default: each tile is a step).
         pipe_kwargs: passed to the pipeline (``guidance_scale``...).

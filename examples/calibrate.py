@@ -96,7 +96,7 @@ def main(argv=None) -> CalibrationResult:
     parser.add_argument("--lambda-max", type=float, default=1.0)
     parser.add_argument("--lambda-points", type=positive_int, default=31)
     parser.add_argument("--tile", type=positive_int, nargs=2, default=(128, 128), metavar=("ROWS", "COLS"),
-                        help="skip tile counted: 128 128 (FMHAv2 bf16, Triton), 64 128 (Hopper FMHAv2 SAGE)")
+                        help="skip tile counted: 128 128 (Hopper FMHAv2 bf16), 64 128 (Hopper SAGE: FMHAv2, Triton)")
     parser.add_argument("--kv-step", type=positive_int, default=None,
                         help="keys per online-softmax step whose tiles are decided against the running max at its "
                              "start: 256 for Hopper FMHAv2 SAGE (default: each tile is a step)")

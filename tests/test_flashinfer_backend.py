@@ -127,6 +127,23 @@ def test_hopper_int8_sage_reason_comes_from_triton_kernel(monkeypatch, flashinfe
     assert trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="int8")), make_qkv()) == "k block 1 not built"
 
 
+def test_hopper_triton_sage_skips_per_its_own_tile_not_the_plans(monkeypatch, flashinfer_ok):
+    on_arch(monkeypatch, "sm_90")
+    seen = {}
+
+    def triton_attention(q, k, v, *args, skip_tile, **kw):
+        seen["tile"] = skip_tile
+        return q, None, None
+    monkeypatch.setattr(trtllm.triton_sage, "triton_sage_attention", triton_attention)
+    reasons = []
+    monkeypatch.setattr(trtllm.triton_sage, "triton_sage_unavailable_reason",
+                        lambda q, k, v, skip_tile=None, **kw: reasons.append(skip_tile))
+    int8_skip = plan(quant=AttnQuantSpec(dtype_qk="int8"), skip_factor=100.0, tile=(128, 128))
+    assert trtllm.unavailable_reason(int8_skip, make_qkv()) is None and reasons == [(64, 128)]
+    trtllm.run(make_qkv(), int8_skip)
+    assert seen["tile"] == trtllm.TRITON_SKIP_TILE_SM90 == (64, 128)
+
+
 def test_int8_sage_refused_on_sm103(monkeypatch, flashinfer_ok):
     on_arch(monkeypatch, "sm_103")
     reason = trtllm.unavailable_reason(plan(quant=AttnQuantSpec(dtype_qk="int8")), make_qkv())

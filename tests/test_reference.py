@@ -235,6 +235,24 @@ def test_ragged_batch_through_the_backend_equals_per_sequence_calls():
     assert result.skipped_tiles == skipped
 
 
+def test_backend_decides_skips_per_the_sage_kernels_own_tile(monkeypatch):
+    """A SAGE kernel that fixes its skip tile (Hopper's) is followed tile for tile, whatever the plan's tile."""
+    from diffusers_trtllm.backends import reference
+    from diffusers_trtllm.config import AttnQuantSpec
+
+    own_tile = (32, 64)
+    semantics = SageSemantics("int8", 1, 16, skip_tile=own_tile)
+    monkeypatch.setattr(reference, "sage_semantics", lambda *args: semantics)
+    q, k, v = (x.float() for x in local_qkv(s=512, h=2, d=32))
+    qkv = VarlenQKV(q, k, v, (512,), (512,))
+    plan = KernelPlan("TORCH_REFERENCE", 32 ** -0.5, quant=AttnQuantSpec("int8"), skip_factor=50.0, tile=(128, 128))
+    result = run_backend("TORCH_REFERENCE", qkv, plan)
+    out, skipped, total = reference_attention(q, k, v, plan.scale, skip_lambda=50.0 / 512, quant=semantics,
+                                              tile=own_tile)
+    assert result.total_tiles == total == qkv.tile_count(own_tile) != qkv.tile_count(plan.tile)
+    assert 0 < result.skipped_tiles == skipped and torch.equal(result.out, out.to(result.out.dtype))
+
+
 @pytest.mark.slow
 def test_memory_stays_bounded_at_32k_tokens_on_cpu():
     s, d = 32768, 32

@@ -276,5 +276,22 @@ def test_gpu_skip_counts_match_reference(tile):
     assert _rel(out, ref) < 5e-3
 
 
+@pytest.mark.gpu
+def test_gpu_hopper_int8_skip_through_the_backend_decides_per_its_own_tile_like_the_reference():
+    """TRTLLM_ATTN's int8 SAGE with Skip-Softmax on Hopper runs this kernel with 64 × 128 decisions (its fastest
+    tile) whatever the plan's tile; the reference backend, following the same semantics, skips the same tiles."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    from diffusers_trtllm.backends import run_backend
+
+    qkv = _positional_qkv((4096, 1500), (4096, 1500), 4, 2, sharpness=2.0, device="cuda")
+    plan = KernelPlan("TRTLLM_ATTN", 128 ** -0.5, quant=AttnQuantSpec("int8"), skip_factor=400.0, count_skips=True)
+    kernel, ref = run_backend("TRTLLM_ATTN", qkv, plan), run_backend("TORCH_REFERENCE", qkv, plan)
+    assert int(kernel.total_tiles) == ref.total_tiles == qkv.tile_count((64, 128)) != qkv.tile_count(plan.tile)
+    assert 0.05 * ref.total_tiles < ref.skipped_tiles < 0.95 * ref.total_tiles
+    assert abs(int(kernel.skipped_tiles) - ref.skipped_tiles) <= max(2, ref.total_tiles // 1000)
+    assert _rel(kernel.out, ref.out) < 5e-3
+
+
 if __name__ == "__main__":
     _run_interpreted(sys.argv[1], sys.argv[2])

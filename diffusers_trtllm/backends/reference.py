@@ -12,8 +12,9 @@ Computation runs in float32 (float64 when the inputs are float64); the output is
 SAGE follows the semantics of the kernel ``TRTLLM_ATTN`` runs for the plan's quantization on the tensors' GPU
 (:func:`~.trtllm.sage_semantics`: per-sequence or batch-wide K mean and V scales, block sizes, P's fp8 scale), so
 the reference and the kernel agree to the output rounding; on a CPU, this package's Triton kernel's semantics.
-Skip decisions are per ``plan.tile``, against the running max at the start of the kernel's online-softmax step
-(the Hopper FMHAv2 SAGE kernel decides per 64 × 128 within 256-key steps: that tile reproduces it exactly). For
+Skip decisions are per ``plan.tile`` (per the SAGE kernel's own tile where it fixes one,
+``SageSemantics.skip_tile``), against the running max at the start of the kernel's online-softmax step (the Hopper
+FMHAv2 SAGE kernel decides per 64 × 128 within 256-key steps: that tile and step reproduce it exactly). For
 kernels whose fp8 sums stay in sm_90's tensor-core accumulator (``SageSemantics.fp8_accumulator_bits``), the
 reference sums as those tensor cores do (:func:`fp8_gmma_matmul`): fp8 P turns score differences of that
 accumulator's rounding into whole fp8 steps of P, so exact sums would leave the kernel well above the bf16 floor.
@@ -197,7 +198,8 @@ def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     for (q, k, v, rows), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
         lam = plan.skip_factor / kv_len if plan.skips else 0.0
         o, s, t = reference_attention(q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=semantics,
-                                      tile=plan.tile, kv_step=semantics.kv_step if semantics else None,
+                                      tile=(semantics.skip_tile or plan.tile) if semantics else plan.tile,
+                                      kv_step=semantics.kv_step if semantics else None,
                                       k_mean=k_mean, v_scale=v_scale)
         out[rows] = o
         skipped += s

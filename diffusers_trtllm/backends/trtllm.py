@@ -33,7 +33,9 @@ Declared constraints (:func:`unavailable_reason` returns the first that fails, a
 
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
 ``tile=(128, 128)`` predicts them), per 64 × 128 by the FMHAv2 SAGE kernel (both halves of a 256-key step against
-the running max at the step's start), per ``plan.tile`` by the Triton SAGE kernel. An explicit ``threshold`` is λ
+the running max at the step's start) and by the Triton SAGE kernel (:data:`TRITON_SKIP_TILE_SM90`); the SAGE
+kernels' tiles are part of their semantics (``SageSemantics.skip_tile``), which the reference follows. An explicit
+``threshold`` is λ
 itself: every sequence of a ragged batch gets the factor λ·max_kv_len, hence λ_i = λ·max_kv_len / kv_len_i (the
 kernels take one factor per call); the reference does exactly that.
 """
@@ -82,6 +84,9 @@ FMHA_V2_KV_STEP = 256
 # in that accumulator, so the reference of its semantics sums the same way.
 SM90_FP8_ACCUMULATOR_BITS = 14
 FMHA_V2_USER_K_BLOCKS = tuple(b for b in fmha_v2_sage.K_BLOCKS if b)  # 0 (per sequence) is internal only
+# The Triton SAGE kernel's Skip-Softmax tile on sm_90: its dense launch's tile (one warpgroup per program). With
+# 128 × 128 tiles (two warpgroups) it ran 14-16 % slower at the same sparsity on an H200 (benchmarks/RESULTS.md).
+TRITON_SKIP_TILE_SM90 = (triton_sage.DENSE_LAUNCH.block_m, triton_sage.DENSE_LAUNCH.block_n)
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the
 # installed FlashInfer, so an older or changed one is refused with a reason instead of failing mid-pipeline).
@@ -162,13 +167,15 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, equal) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
         semantics = SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, k_block, p_scale=fmha_v2_sage.P_SCALE,
-                                  kv_step=FMHA_V2_KV_STEP, fp8_accumulator_bits=SM90_FP8_ACCUMULATOR_BITS)
+                                  kv_step=FMHA_V2_KV_STEP, fp8_accumulator_bits=SM90_FP8_ACCUMULATOR_BITS,
+                                  skip_tile=fmha_v2_sage.SKIP_TILE)
         kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
     else:
         q_block = PORTABLE_BLOCKS[0] if quant.q_block_size is None else quant.q_block_size
         k_block = PORTABLE_BLOCKS[1] if quant.k_block_size is None else quant.k_block_size
         blackwell = arch in TRTLLM_GEN_ARCHS
-        semantics = SageSemantics(quant.dtype_qk, q_block, k_block, p_scale=P_SCALE, batch_stats=blackwell)
+        semantics = SageSemantics(quant.dtype_qk, q_block, k_block, p_scale=P_SCALE, batch_stats=blackwell,
+                                  skip_tile=TRITON_SKIP_TILE_SM90 if arch in FMHA_V2_ARCHS else None)
         kernel = "trtllm-gen" if blackwell else "Triton"
     if unset and arch is not None:
         _log_choice(arch, quant, semantics, kernel)
@@ -238,7 +245,7 @@ def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     if _hopper_sage_kernel(quant, equal) == "fmha_v2":
         return flashinfer_unavailable_reason(FMHA_V2)  # the generator and JIT come from the same FlashInfer
     return triton_sage.triton_sage_unavailable_reason(qkv.q, qkv.k, qkv.v, causal=plan.causal,
-                                                      skip_tile=plan.tile if plan.skips else None)
+                                                      skip_tile=TRITON_SKIP_TILE_SM90 if plan.skips else None)
 
 
 def _blackwell_reason(plan: KernelPlan, qkv: VarlenQKV, arch: str) -> str | None:
@@ -286,7 +293,7 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     out, skipped, total = triton_sage.triton_sage_attention(
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),
         tuple(qkv.seqlens_kv), plan.scale, dtype_qk=semantics.dtype_qk, q_block=semantics.q_block,
-        k_block=semantics.k_block, skip_factor=plan.skip_factor, skip_tile=tuple(plan.tile),
+        k_block=semantics.k_block, skip_factor=plan.skip_factor, skip_tile=semantics.skip_tile,
         count_skips=plan.count_skips)
     return KernelResult(out, skipped, total)
 

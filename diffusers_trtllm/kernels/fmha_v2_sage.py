@@ -47,6 +47,10 @@ HEAD_DIM = 128
 Q_BLOCK = 64  # the kernel's query step per warpgroup: Q scale blocks must be a multiple of it
 K_BLOCKS = (0, 64, 128)  # compiled K scale blocks (0: one scale per sequence and head, folded into Q's)
 KV_STEPS = (256, 128)  # keys per KV step: FlashInfer's choice for e4m3, and a finer one for Skip-Softmax
+# K/V tiles the DMA warp keeps in flight, per KV step. V arrives transposed (:data:`V_LAYOUT_PATCHES`), so shared
+# memory needs no transpose scratch and holds three 256-key buffers (3 · 64 KiB + Q's 16 KiB) where FlashInfer's
+# e4m3 choice is two: 4 % faster at Wan's shape on an H200 (benchmarks/RESULTS.md). 128-key steps keep its two.
+KV_BUFFERS = {256: 3, 128: 2}
 P_SCALE = 256.0  # P enters P·V as fp8(P * 256)
 BINDING_SOURCE = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_sage.cu"
 
@@ -73,14 +77,15 @@ SKIP_TILE = (Q_BLOCK, 128)  # (query rows, keys) per skip decision: one warpgrou
 def kernel_spec(kernel: SageKernel):
     """FlashInfer's ``FMHAv2KernelSpec`` for ``kernel``: sm_90, e4m3 in, bf16 out, head_dim 128, PACKED_QKV,
     warp-specialized, no ALiBi or softcapping, SAGE blocks ``(64, k_block, 0)`` (V block 0: no V scales),
-    ``kv_loop_step`` = ``kv_step``."""
+    ``kv_loop_step`` = ``kv_step``, :data:`KV_BUFFERS` K/V buffers."""
     from flashinfer.jit.attention.fmha_v2.fmha_library import generate_kernel_spec
     from flashinfer.jit.attention.fmha_v2.utils import InputLayout
 
     spec = generate_kernel_spec(sm=90, head_size=HEAD_DIM, dtype="e4m3", enable_skip_softmax=kernel.skip_softmax,
                                 return_softmax=False, enable_attn_logit_softcapping=False, alibi=False,
                                 input_layout=InputLayout.PACKED_QKV, output_dtype="bf16")
-    return dataclasses.replace(spec, sage_block_sizes=(Q_BLOCK, kernel.k_block, 0), kv_loop_step=kernel.kv_step)
+    return dataclasses.replace(spec, sage_block_sizes=(Q_BLOCK, kernel.k_block, 0), kv_loop_step=kernel.kv_step,
+                               kv_tile_buffers=KV_BUFFERS[kernel.kv_step])
 
 
 # FlashInfer 0.7.2's template emits a kernel per mask type (its "0"/"1" mask flags are strings, truthy either
@@ -308,9 +313,11 @@ HALF_STEP_SKIP_PATCHES = (
 
 # V's per-channel scales multiply the output in the kernel's epilogue, after the 1 / row sum, before the bf16
 # store, instead of a separate pass over the bf16 output (1.74 ms at Wan's shape) that rounded it a second time.
-# Measured on an H200 the patched kernel runs about as much slower as the pass cost (benchmarks/RESULTS.md): one
-# rounding fewer, no time gained. The binding passes the scales through ``params.sage.v`` (``[B, Hq, 128]``,
-# ``max_nblock`` = 128 channels), unused otherwise by kernels without V blocks.
+# On an H200 the kernel with this epilogue runs as fast as the kernel without it plus that pass
+# (benchmarks/RESULTS.md): one rounding fewer, no time gained. The scales' row is ``sage_scale_row``, which the
+# kernel already holds for Q's scales; forming it from ``head_info`` instead spilled registers and cost up to 4 %.
+# The binding passes the scales through ``params.sage.v`` (``[B, Hq, 128]``, ``max_nblock`` = 128 channels),
+# unused otherwise by kernels without V blocks.
 # O's accumulator columns hold V^T's rows, whose channels the quantizer permuted
 # (:class:`~.triton_sage.QuantizeTargets` ``v_fmha_v2_order``): in each 16-column group, the thread with
 # ``lane % 4 == c`` holds in core ``ni`` the channels ``4·c + ni % 2`` and ``+ 2`` (FMHAv2's e4m3 O store puts
@@ -341,8 +348,7 @@ V_SCALE_EPILOGUE_PATCHES = (
      "          tile_o_epilogue.scale(ctile_o, p_max, p_sum);\n",
      "          tile_o_epilogue.scale(ctile_o, p_max, p_sum);\n"
      "          tile_o_epilogue.scale_channels(  // diffusers_trtllm: V's per-channel scales\n"
-     "              ctile_o, params.sage.v.scales + static_cast<int64_t>(head_info.bidb * params.h + head_info.bidh) *\n"
-     "                                                  params.sage.v.max_nblock);\n"),
+     "              ctile_o, params.sage.v.scales + static_cast<int64_t>(sage_scale_row) * params.sage.v.max_nblock);\n"),
 )
 
 

@@ -24,8 +24,9 @@ Two launches quantize, one attends:
 3. ``_sage_attention_kernel`` — the attention itself, Skip-Softmax in the same kernel, optional skip counting.
 
 Tiles: dense attention runs 64 × 128 (query rows × keys, one warpgroup per program; the fastest measured).
-With skipping, the kernel tile *is* the skip-decision tile ``plan.tile`` (default 128 × 128, ModelOpt's and the
-reference's calibration shape; two warpgroups), so skip decisions and counts match the reference tile for tile.
+With skipping, the kernel tile *is* the skip-decision tile (``skip_tile``), so skip decisions and counts match the
+reference at that tile, tile for tile. ``TRTLLM_ATTN`` passes 64 × 128 on Hopper, the dense launch's tile: at
+128 × 128 (two warpgroups) the same sparsity ran 14-16 % slower on an H200 (benchmarks/RESULTS.md).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
 cuDNN SDPA dense including the 1.9 ms of quantization.
 
