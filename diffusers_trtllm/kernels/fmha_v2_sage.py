@@ -49,7 +49,8 @@ K_BLOCKS = (0, 64, 128)  # compiled K scale blocks (0: one scale per sequence an
 KV_STEPS = (256, 128)  # keys per KV step: FlashInfer's choice for e4m3, and a finer one for Skip-Softmax
 # K/V tiles the DMA warp keeps in flight, per KV step. V arrives transposed (:data:`V_LAYOUT_PATCHES`), so shared
 # memory needs no transpose scratch and holds three 256-key buffers (3 · 64 KiB + Q's 16 KiB) where FlashInfer's
-# e4m3 choice is two: 4 % faster at Wan's shape on an H200 (benchmarks/RESULTS.md). 128-key steps keep its two.
+# e4m3 choice is two: about 1 % faster at Wan's shape on an H200 (benchmarks/RESULTS.md; two Q buffers on top were
+# slower). 128-key steps keep FlashInfer's two.
 KV_BUFFERS = {256: 3, 128: 2}
 P_SCALE = 256.0  # P enters P·V as fp8(P * 256)
 BINDING_SOURCE = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_sage.cu"
@@ -315,7 +316,7 @@ HALF_STEP_SKIP_PATCHES = (
 # store, instead of a separate pass over the bf16 output (1.74 ms at Wan's shape) that rounded it a second time.
 # On an H200 the kernel with this epilogue runs as fast as the kernel without it plus that pass
 # (benchmarks/RESULTS.md): one rounding fewer, no time gained. The scales' row is ``sage_scale_row``, which the
-# kernel already holds for Q's scales; forming it from ``head_info`` instead spilled registers and cost up to 4 %.
+# kernel already holds for Q's scales (ptxas spills fewer bytes than with the row formed from ``head_info``).
 # The binding passes the scales through ``params.sage.v`` (``[B, Hq, 128]``, ``max_nblock`` = 128 channels),
 # unused otherwise by kernels without V blocks.
 # O's accumulator columns hold V^T's rows, whose channels the quantizer permuted

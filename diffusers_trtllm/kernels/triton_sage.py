@@ -26,7 +26,7 @@ Two launches quantize, one attends:
 Tiles: dense attention runs 64 × 128 (query rows × keys, one warpgroup per program; the fastest measured).
 With skipping, the kernel tile *is* the skip-decision tile (``skip_tile``), so skip decisions and counts match the
 reference at that tile, tile for tile. ``TRTLLM_ATTN`` passes 64 × 128 on Hopper, the dense launch's tile: at
-128 × 128 (two warpgroups) the same sparsity ran 14-16 % slower on an H200 (benchmarks/RESULTS.md).
+128 × 128 (two warpgroups) the same sparsity ran 14-17 % slower on an H200 (benchmarks/RESULTS.md).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
 cuDNN SDPA dense including the 1.9 ms of quantization.
 
@@ -56,8 +56,11 @@ except ImportError:  # CPU-only torch wheels ship without Triton; the module sti
 HEAD_DIM = 128
 TINY_SCALE = 1e-12  # same floor as quant._TINY: an all-zero block keeps a finite scale
 V_TOKEN_ALIGN = 16  # each sequence's V^T columns start on a 16-byte boundary, so V loads vectorize
-STATS_TOKENS = 64  # tokens per chunk of the two quantization passes (a multiple of every SAGE block size)
-STATS_CHUNKS = 8  # STATS_TOKENS-token chunks one program of the K/V reduction folds before its atomics
+QUANTIZE_TOKENS = 64  # tokens per program of the quantization pass (raised to the Q/K block when larger)
+# The K/V reduction: tokens per chunk, and chunks one program folds before its atomics (128 × 4 took 0.77 ms at
+# Wan's shape on an H200, 64 × 8 1.06 ms; the quantization pass is fastest at 64 tokens)
+STATS_TOKENS = 128
+STATS_CHUNKS = 4
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 to the nearest integer, ties to even
 LOG2E = 1.4426950408889634
 
@@ -214,16 +217,15 @@ def quantize_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     """
     batch, heads_q, heads_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
     device = q.device
-    tokens = max(STATS_TOKENS, q_block, k_block)
+    tokens = max(QUANTIZE_TOKENS, q_block, k_block)
     stats = [torch.zeros(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device) for _ in range(2)]
     k_range = [torch.full((batch, heads_kv, HEAD_DIM), fill, dtype=torch.float32, device=device)
                for fill in (-math.inf, math.inf)] if k_block == 0 else [stats[0], stats[0]]
     k_sum, v_amax = stats
-    kv_chunks = -(-max_seqlen_kv // tokens)
-    _kv_stats_kernel[(-(-kv_chunks // STATS_CHUNKS), heads_kv, batch)](
+    _kv_stats_kernel[(-(-max_seqlen_kv // (STATS_TOKENS * STATS_CHUNKS)), heads_kv, batch)](
         k, v, k_sum, *k_range, v_amax, cu_seqlens_kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        TOKENS=tokens, CHUNKS=STATS_CHUNKS, HEAD_DIM=HEAD_DIM, K_RANGE=k_block == 0)
-    q_chunks = -(-max_seqlen_q // tokens)
+        TOKENS=STATS_TOKENS, CHUNKS=STATS_CHUNKS, HEAD_DIM=HEAD_DIM, K_RANGE=k_block == 0)
+    q_chunks, kv_chunks = -(-max_seqlen_q // tokens), -(-max_seqlen_kv // tokens)
     seq_stride = (lambda t: t.stride(0)) if targets.scales_by_sequence else (lambda t: 0)
     head_stride = (lambda t: t.stride(1)) if targets.scales_by_sequence else (lambda t: t.stride(0))
     k_scale = targets.q_scale if k_block == 0 else targets.k_scale
