@@ -84,7 +84,7 @@ FMHA_V2_KV_STEP = 256
 SM90_FP8_ACCUMULATOR_BITS = 14
 FMHA_V2_USER_K_BLOCKS = tuple(b for b in fmha_v2_sage.K_BLOCKS if b)  # 0 (per sequence) is internal only
 # The Triton SAGE kernel's Skip-Softmax tile on sm_90: its dense launch's tile (one warpgroup per program). With
-# 128 × 128 tiles (two warpgroups) it ran 14-17 % slower at the same sparsity on an H200 (benchmarks/RESULTS.md).
+# 128 × 128 tiles (two warpgroups) it took 17-19 % longer at the same sparsity on an H200 (benchmarks/RESULTS.md).
 TRITON_SKIP_TILE_SM90 = (triton_sage.DENSE_LAUNCH.block_m, triton_sage.DENSE_LAUNCH.block_n)
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the

@@ -26,7 +26,7 @@ Two launches quantize, one attends:
 Tiles: dense attention runs 64 × 128 (query rows × keys, one warpgroup per program; the fastest measured).
 With skipping, the kernel tile *is* the skip-decision tile (``skip_tile``), so skip decisions and counts match the
 reference at that tile, tile for tile. ``TRTLLM_ATTN`` passes 64 × 128 on Hopper, the dense launch's tile: at
-128 × 128 (two warpgroups) the same sparsity ran 14-17 % slower on an H200 (benchmarks/RESULTS.md).
+128 × 128 (two warpgroups) the same sparsity took 17-19 % longer on an H200 (benchmarks/RESULTS.md).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
 cuDNN SDPA dense including the 1.9 ms of quantization.
 
