@@ -71,7 +71,7 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
     for path, old, new in (*fmha_v2_sage.V_LAYOUT_PATCHES, *fmha_v2_sage.HALF_STEP_SKIP_PATCHES,
-                           *fmha_v2_sage.V_SCALE_EPILOGUE_PATCHES):
+                           *fmha_v2_sage.V_SCALE_EPILOGUE_PATCHES, *fmha_v2_sage.MUTEX_TURN_PATCHES):
         assert sources[path].count(new) == 1 and (old in new or old not in sources[path])
     assert "DMA_GROUP_TRANSPOSE_V = 0" in sources["fmha/warpspec/kernel_traits.h"]
     # half-step skips: both halves voted, the exps and the BMM2 K group of a skipped half left out
@@ -82,6 +82,14 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     # V's per-channel scales applied with 1 / row sum in the e4m3 epilogue
     assert epilogue.count("__ldg(v_scales + channel") == 2 and "tile_o_epilogue.scale_channels(" in compute
     assert "static_cast<int64_t>(sage_scale_row) * params.sage.v.max_nblock" in compute
+    # one mutex turn for P·V and the next Q·Kᵀ in the dense 256-key-step kernels only; every wait in a kernel
+    # with that turn is matched by one arrive: per step, one before BMM2 and one after BMM1, plus one per KV loop
+    turn = fmha_v2_sage._TURN_SPANS_BMM2
+    assert (f"{turn} = ENABLE_MUTEX && Kernel_traits::STEP_KV == 256 &&\n"
+            "         !Kernel_traits::ENABLE_SKIP_SOFTMAX") in compute
+    assert compute.count(f"if constexpr ({turn})") == 2 and f"if (IS_FIRST_COL || !{turn})" in compute
+    assert compute.count("mutex.wait();") == 2 and compute.count("mutex.arrive();") == 1
+    assert compute.count("mutex_accessor.arrive();") == 2  # WG1's bootstrap and the end of the last turn
     flags = fmha_v2_sage.nvcc_flags(fmha_v2_sage.pathlib.Path("/generated"))
     includes = [flag for flag in flags if flag.startswith("-I")]
     assert includes[0] == "-I/generated" and any(flag.endswith("fmha_v2") for flag in includes[1:])

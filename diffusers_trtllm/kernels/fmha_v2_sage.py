@@ -312,6 +312,43 @@ HALF_STEP_SKIP_PATCHES = (
 )
 
 
+# The two softmax warpgroups take turns on the tensor cores through an ordered mutex. FlashInfer's turn covers Q·Kᵀ
+# only, so a warpgroup's P·V runs outside it: the groups' GMMAs collide on the tensor cores and their softmaxes on
+# the SFU, and neither hides the other (ncu: tensor and XU pipes each about half busy). In the dense 256-key-step
+# kernels one turn covers P·V of step j and Q·Kᵀ of step j + 1 (FA3's ping-pong): while one group runs both GMMAs,
+# the other runs its softmax. The first step's Q·Kᵀ takes its own turn; the turn taken before the last P·V ends after
+# it. Outputs are bit-identical; at Wan's shape on an H200 the dense kernels ran 3 % (K one scale) and 12 % (K blocks
+# of 64) faster, while the skipping kernels ran 1-2 % slower and the 128-key-step ones (two K/V buffers) 35 % slower
+# (benchmarks/RESULTS.md), so those keep FlashInfer's turns.
+_TURN_SPANS_BMM2 = "MUTEX_TURN_SPANS_BMM2"
+MUTEX_TURN_PATCHES = (
+    ("fmha/warpspec/compute.h",
+     "  enum { ENABLE_MUTEX = Kernel_traits::ENABLE_MUTEX };\n",
+     "  enum { ENABLE_MUTEX = Kernel_traits::ENABLE_MUTEX };\n"
+     "  // diffusers_trtllm: one mutex turn for P·V of a step and Q·Kᵀ of the next (fmha_v2_sage.py)\n"
+     f"  enum {{ {_TURN_SPANS_BMM2} = ENABLE_MUTEX && Kernel_traits::STEP_KV == 256 &&\n"
+     "         !Kernel_traits::ENABLE_SKIP_SOFTMAX };\n"),
+    ("fmha/warpspec/compute.h",
+     "    if constexpr (ENABLE_MUTEX) {\n      mutex.wait();\n    }\n",
+     "    if constexpr (ENABLE_MUTEX) {\n"
+     f"      if (IS_FIRST_COL || !{_TURN_SPANS_BMM2}) {{  // diffusers_trtllm: else taken before the last P·V\n"
+     "        mutex.wait();\n"
+     "      }\n"
+     "    }\n"),
+    ("fmha/warpspec/compute.h",
+     "    warpgroup_arrive();\n\n    float last_scale_v;\n",
+     f"    if constexpr ({_TURN_SPANS_BMM2}) {{\n"
+     "      mutex.wait();  // diffusers_trtllm: one turn for this P·V and the next step's Q·Kᵀ\n"
+     "    }\n"
+     "    warpgroup_arrive();\n\n    float last_scale_v;\n"),
+    ("fmha/warpspec/compute.h",
+     "        if (valid_run) {\n          // Final step's update.\n",
+     f"        if constexpr ({_TURN_SPANS_BMM2}) {{\n"
+     "          mutex_accessor.arrive();  // diffusers_trtllm: ends the turn taken before the last P·V\n"
+     "        }\n"
+     "        if (valid_run) {\n          // Final step's update.\n"),
+)
+
 # V's per-channel scales multiply the output in the kernel's epilogue, after the 1 / row sum, before the bf16
 # store, instead of a separate pass over the bf16 output (1.74 ms at Wan's shape) that rounded it a second time.
 # On an H200 the kernel with this epilogue runs as fast as the kernel without it plus that pass
@@ -354,13 +391,14 @@ V_SCALE_EPILOGUE_PATCHES = (
 
 
 def patched_headers() -> dict[str, str]:
-    """FMHAv2 headers with :data:`V_LAYOUT_PATCHES`, :data:`HALF_STEP_SKIP_PATCHES` and
-    :data:`V_SCALE_EPILOGUE_PATCHES` applied, by path relative to the fmha_v2 folder; the build puts them ahead of
-    FlashInfer's. Raises if a patched text is not found exactly once (FlashInfer changed)."""
+    """FMHAv2 headers with :data:`V_LAYOUT_PATCHES`, :data:`HALF_STEP_SKIP_PATCHES`,
+    :data:`V_SCALE_EPILOGUE_PATCHES` and :data:`MUTEX_TURN_PATCHES` applied, by path relative to the fmha_v2 folder;
+    the build puts them ahead of FlashInfer's. Raises if a patched text is not found exactly once (FlashInfer changed)."""
     from flashinfer.jit import env as jit_env
 
     headers = {}
-    for path, old, new in (*V_LAYOUT_PATCHES, *HALF_STEP_SKIP_PATCHES, *V_SCALE_EPILOGUE_PATCHES):
+    for path, old, new in (*V_LAYOUT_PATCHES, *HALF_STEP_SKIP_PATCHES, *V_SCALE_EPILOGUE_PATCHES,
+                           *MUTEX_TURN_PATCHES):
         text = headers.get(path) or (jit_env.FLASHINFER_CSRC_DIR / "fmha_v2" / path).read_text()
         if text.count(old) != 1:
             raise RuntimeError(f"FlashInfer's FMHAv2 {path} changed: a text this package patches was found "
