@@ -393,7 +393,8 @@ V_SCALE_EPILOGUE_PATCHES = (
 def patched_headers() -> dict[str, str]:
     """FMHAv2 headers with :data:`V_LAYOUT_PATCHES`, :data:`HALF_STEP_SKIP_PATCHES`,
     :data:`V_SCALE_EPILOGUE_PATCHES` and :data:`MUTEX_TURN_PATCHES` applied, by path relative to the fmha_v2 folder;
-    the build puts them ahead of FlashInfer's. Raises if a patched text is not found exactly once (FlashInfer changed)."""
+    the build puts them ahead of FlashInfer's. Raises if a patched text is not found exactly once (FlashInfer
+    changed)."""
     from flashinfer.jit import env as jit_env
 
     headers = {}
