@@ -99,8 +99,7 @@ def exact(q, k, v) -> torch.Tensor:
 
 
 def fmha_semantics(kernel, accumulator_bits: int | None = trtllm.SM90_FP8_ACCUMULATOR_BITS) -> SageSemantics:
-    return SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, kernel.k_block, p_scale=fmha_v2_sage.P_SCALE,
-                         kv_step=kernel.kv_step, fp8_accumulator_bits=accumulator_bits)
+    return trtllm.fmha_v2_sage_semantics(kernel.k_block, kernel.kv_step, accumulator_bits)
 
 
 def cu(lengths, device="cuda") -> torch.Tensor:

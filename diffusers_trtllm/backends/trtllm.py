@@ -156,6 +156,14 @@ def _log_choice(arch: str, quant: AttnQuantSpec, semantics: SageSemantics, kerne
                    semantics.k_block or "one per sequence and head")
 
 
+def fmha_v2_sage_semantics(k_block: int, kv_step: int = FMHA_V2_KV_STEP,
+                           fp8_accumulator_bits: int | None = SM90_FP8_ACCUMULATOR_BITS) -> SageSemantics:
+    """What the FMHAv2 SAGE kernel with K scale block ``k_block`` and ``kv_step`` keys per step computes
+    (``fp8_accumulator_bits`` None: the same with exact sums, a reference for comparison)."""
+    return SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, k_block, p_scale=fmha_v2_sage.P_SCALE, kv_step=kv_step,
+                         fp8_accumulator_bits=fp8_accumulator_bits, skip_tile=fmha_v2_sage.SKIP_TILE)
+
+
 def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(1,), seqlens_kv=(1,)) -> SageSemantics:
     """What the SAGE kernel that ``TRTLLM_ATTN`` runs for ``quant`` on ``device`` computes (block sizes resolved,
     P's fp8 scale, per-sequence or batch-wide statistics). On a device without TRT-LLM kernels: this package's
@@ -165,9 +173,7 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     unset = quant.q_block_size is None or quant.k_block_size is None
     if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, equal) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
-        semantics = SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, k_block, p_scale=fmha_v2_sage.P_SCALE,
-                                  kv_step=FMHA_V2_KV_STEP, fp8_accumulator_bits=SM90_FP8_ACCUMULATOR_BITS,
-                                  skip_tile=fmha_v2_sage.SKIP_TILE)
+        semantics = fmha_v2_sage_semantics(k_block)
         kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
     else:
         q_block = PORTABLE_BLOCKS[0] if quant.q_block_size is None else quant.q_block_size
