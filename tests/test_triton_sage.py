@@ -5,6 +5,7 @@ Triton is imported, and GPU tests in this process need the compiled kernels); th
 script. GPU tests (``-m gpu``) run the compiled kernels on CUDA against float32 references.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -103,9 +104,17 @@ def _interpreter_cases():
     for dtype in QK_DTYPES:
         quant = AttnQuantSpec(dtype, 1, 16)
         plan = KernelPlan("triton", 128 ** -0.5, quant=quant, tile=SMALL_TILE, skip_factor=15.0, count_skips=True)
-        cases.append((f"skip-{dtype}", peaky, quant, plan,
-                      triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1)))
+        for schedule, launch in _skip_schedules().items():
+            cases.append((f"skip-{dtype}{schedule}", peaky, quant, plan, launch))
     return cases
+
+
+def _skip_schedules():
+    """Launches of the skip tests by schedule: every tile branching (the default), every run branch-free, and
+    runs from one tile on, each following the previous run's decisions (both schedules in one program)."""
+    launch = triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1)
+    return {"": launch, "-branch-free": dataclasses.replace(launch, branch_free_below=2.0),
+            "-alternating": dataclasses.replace(launch, skip_chunk=1, branch_free_below=0.5)}
 
 
 def _fix_triton_interpreter():
@@ -212,6 +221,17 @@ def test_skip_counts_and_output_match_reference(interpreted, dtype):
     assert _rel(out, ref) < 5e-3
 
 
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+@pytest.mark.parametrize("schedule", ["-branch-free", "-alternating"])
+def test_skip_schedules_give_bit_identical_results(interpreted, dtype, schedule):
+    """A skipped tile folded in with P = 0 (branch-free) leaves the state exactly as branching around it does."""
+    _, results = interpreted
+    out, skipped, _ = results[f"skip-{dtype}"]
+    other_out, other_skipped, _ = results[f"skip-{dtype}{schedule}"]
+    assert int(skipped) > 0 and int(other_skipped) == int(skipped)
+    assert torch.equal(other_out, out)
+
+
 def test_unavailable_reasons():
     qkv = _random_qkv((64,), (64,), 2, 2)
     q, k, v = qkv.q, qkv.k, qkv.v
@@ -274,6 +294,26 @@ def test_gpu_skip_counts_match_reference(tile):
     # Scores agree to float32 rounding; a decision exactly at the threshold may go either way.
     assert abs(int(skipped) - ref_skipped) <= max(2, ref_total // 1000)
     assert _rel(out, ref) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+def test_gpu_skip_schedules_give_bit_identical_results(dtype):
+    """On the GPU the branch-free schedule of 64 × 128 tiles takes its decision with a barrier reduction (not the
+    interpreter's path): every schedule still skips the same tiles and gives the same bits."""
+    qkv = _positional_qkv((4096, 1500), (4096, 1500), 4, 2, sharpness=2.0, device="cuda")
+    quantized = _quantize(qkv, AttnQuantSpec(dtype, 1, 16))
+    base = triton_sage.skip_launch((64, 128), dtype)
+    launches = (dataclasses.replace(base, branch_free_below=0.0), dataclasses.replace(base, branch_free_below=2.0),
+                dataclasses.replace(base, skip_chunk=1, branch_free_below=0.5))
+    runs = [triton_sage.sage_attention_quantized(
+        quantized, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q, qkv.seqlens_kv, 128 ** -0.5,
+        skip_factor=400.0, skip_tile=(64, 128), count_skips=True, launch=launch) for launch in launches]
+    (out, skipped, total), others = runs[0], runs[1:]
+    assert 0.05 * total < int(skipped) < 0.95 * total
+    for other_out, other_skipped, _ in others:
+        assert int(other_skipped) == int(skipped)
+        assert torch.equal(other_out, out)
 
 
 @pytest.mark.gpu

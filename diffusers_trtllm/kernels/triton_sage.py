@@ -27,6 +27,11 @@ Tiles: dense attention runs 64 × 128 (query rows × keys, one warpgroup per pro
 With skipping, the kernel tile *is* the skip-decision tile (``skip_tile``), so skip decisions and counts match the
 reference at that tile, tile for tile. ``TRTLLM_ATTN`` passes 64 × 128 on Hopper, the dense launch's tile: at
 128 × 128 (two warpgroups) the same sparsity took 17-19 % longer on an H200 (benchmarks/RESULTS.md).
+Skipping runs one of two schedules per run of KV tiles, with bit-identical results: *branching* (a skipped tile's
+exps, V load and P·V are not run, but Triton cannot software-pipeline loads inside the branch, so with little to
+skip it is the slower one) and *branch-free* (every tile's work issued, a skipped tile's P zeroed, the tile vote
+one ``bar.red`` on sm_90: a fixed cost over dense whatever the sparsity). fp8 alternates by each run's skip rate
+(:func:`skip_launch`); int8, whose branch-free schedule costs more, always branches (benchmarks/RESULTS.md).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
 cuDNN SDPA dense including the 1.9 ms of quantization.
 
@@ -91,6 +96,13 @@ class AttentionLaunch:
     # fastest (the default), 32 the closest to fp32 accumulation but it spills registers. int8 accumulates exactly
     # in int32 regardless.
     fp8_qk_chunk: int = 128
+    # Skipping visits KV tiles in runs, each on one of two schedules with identical results: branch-free (every
+    # tile's exps and P·V issued, a skipped tile's P zeroed; Triton keeps its loads pipelined) after a run that
+    # skipped fewer than ``branch_free_below`` of its tiles, else branching (a skipped tile's exps, V load and P·V
+    # not run). 0 keeps every run branching, above 1 every run branch-free. Runs start at ``skip_chunk`` tiles and
+    # double while the schedule stays.
+    skip_chunk: int = 8
+    branch_free_below: float = 0.0
 
 
 # The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~13% faster
@@ -98,10 +110,13 @@ class AttentionLaunch:
 DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
 
 
-def skip_launch(tile: tuple[int, int]) -> AttentionLaunch:
+def skip_launch(tile: tuple[int, int], dtype_qk: str) -> AttentionLaunch:
     """The launch for a skipping plan: the kernel tile is the skip tile ``plan.tile``, with one warp per 16 query
-    rows (a warpgroup per 64)."""
-    return AttentionLaunch(tile[0], tile[1], num_warps=max(1, tile[0] // 16))
+    rows (a warpgroup per 64). fp8 alternates schedules (runs after one that skipped under a quarter of its tiles go
+    branch-free); int8 always branches: on an H200 its branch-free schedule cost more at every sparsity than it
+    saved (benchmarks/RESULTS.md, benchmarks/triton_skip_schedules.py)."""
+    return AttentionLaunch(tile[0], tile[1], num_warps=max(1, tile[0] // 16),
+                           branch_free_below=0.0 if dtype_qk == "int8" else 0.25)
 
 
 class SageQuantized(NamedTuple):
@@ -265,6 +280,13 @@ def sage_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     return out
 
 
+def _barrier_vote(launch: AttentionLaunch, device: torch.device) -> bool:
+    """Whether the branch-free schedule may decide with :func:`_all_rows_by_barrier`: compiled for sm_90, where a
+    warpgroup's 64-row tile gives each thread two rows (Hopper's wgmma layout)."""
+    return (launch.block_m == 64 and launch.num_warps == 4 and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
 def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
                              seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], scale: float, *,
                              out_dtype: torch.dtype = torch.bfloat16, skip_factor: float = 0.0,
@@ -282,7 +304,8 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     """
     skips = skip_factor > 0.0
     if launch is None:
-        launch = skip_launch(skip_tile) if skips else DENSE_LAUNCH
+        dtype_qk = "int8" if quantized.q.dtype == torch.int8 else "fp8_e4m3"
+        launch = skip_launch(skip_tile, dtype_qk) if skips else DENSE_LAUNCH
     if skips and (launch.block_m, launch.block_n) != tuple(skip_tile):
         raise ValueError(f"skip decisions are made per kernel tile: launch tile {launch.block_m}x{launch.block_n} "
                          f"must equal the skip tile {skip_tile}")
@@ -302,7 +325,9 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
         scale * LOG2E, skip_factor, heads_q // heads_kv, heads_kv,
         QK_INT8=quantized.q.dtype == torch.int8,
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
-        SKIP=skips, COUNT_SKIPS=count,
+        SKIP=skips, COUNT_SKIPS=count, SKIP_CHUNK=launch.skip_chunk,
+        BRANCH_FREE_PERCENT=round(launch.branch_free_below * 100),
+        BARRIER_VOTE=_barrier_vote(launch, q.device),
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not count_skips:
         return out, None, None
@@ -532,17 +557,18 @@ def _fmha_v2_v_order(v, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
 def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
                     v_base, j, kv_len, v_len, log2_lambda,
                     QK_INT8: tl.constexpr, FP8_QK_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SKIP: tl.constexpr, MASKED: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SKIP: tl.constexpr, MASKED: tl.constexpr, BRANCH_FREE: tl.constexpr,
+                    BARRIER_VOTE: tl.constexpr):
     """Fold KV tile ``j : j + BLOCK_N`` into the running max ``m_i``, row sum ``l_i`` and accumulator ``acc``.
 
     Scores are ``t * q_scale`` with ``t = (q · k) * k_scale``: q_scale > 0 per row commutes with the row max, so
     the per-element work is one multiply for the scores and one fused multiply-add inside exp2. P is produced
-    directly as ``448 · P`` (log2 448 folded into the subtracted max) and summed that way.
+    directly as ``448 · P`` (log2 448 folded into the subtracted max) and summed that way. ``BRANCH_FREE``: a
+    skipped tile is folded in with P = 0 instead of being branched around (same results).
     """
     cols = j + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     k_ptrs = k_base + cols.to(tl.int64)[:, None] * stride_kt + dims[None, :]
-    v_ptrs = v_base + cols[None, :]
     if MASKED:
         col_valid = cols < kv_len
         k = tl.load(k_ptrs, mask=col_valid[:, None], other=0.0)
@@ -563,29 +589,73 @@ def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, str
         # On the first tile m_i = -inf, so no valid row finds it negligible: it is never skipped. Rows past the
         # sequence end never hold a skip back.
         negligible = (tile_max - m_i < log2_lambda) | row_invalid
-        skip_tile = tl.min(negligible.to(tl.int32), 0) == 1
     else:
-        skip_tile = False
-    if skip_tile:
+        negligible = row_invalid
+    if BRANCH_FREE:
+        m_i, l_i, acc, skip_rows = _fold_scores(t, q_scale, tile_max, m_i, l_i, acc, v_base, cols, v_len,
+                                                negligible, MASKED, True, BARRIER_VOTE)
+        skipped += skip_rows.to(tl.int32)
+    elif SKIP and _all_rows(negligible):
         skipped += 1
     else:
-        # V^T is loaded here so that a skipped tile does not wait for it. (With skipping compiled in, Triton does
-        # not software-pipeline this load either way: its dot sits in a branch. Without, this is straight-line
-        # code and the load is pipelined.) Loading it before the skip test instead was 25-40 % slower at every
-        # sparsity on the H200 (benchmarks/RESULTS.md, issue 11; commit d9f3559).
-        if MASKED:
-            v_t = tl.load(v_ptrs, mask=cols[None, :] < v_len, other=0.0)
-        else:
-            v_t = tl.load(v_ptrs)
-        m_new = tl.maximum(m_i, tile_max)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(t * q_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # Product then fp32 add: passing acc into an fp8 dot would accumulate across tiles in the tensor core's
-        # reduced-precision fp8 accumulator on sm_90.
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(v_t))
-        m_i = m_new
+        # V^T is loaded in here so that a skipped tile does not wait for it: with the dot in a branch, Triton does
+        # not software-pipeline the load either way, and loading it before the skip test was 25-40 % slower at
+        # every sparsity on the H200 (benchmarks/RESULTS.md, issue 11; commit d9f3559).
+        m_i, l_i, acc, _ = _fold_scores(t, q_scale, tile_max, m_i, l_i, acc, v_base, cols, v_len, negligible,
+                                        MASKED, False, BARRIER_VOTE)
     return m_i, l_i, acc, skipped
+
+
+@_jit
+def _all_rows(negligible):
+    """The tile-wide Skip-Softmax decision: every row's test passed."""
+    return tl.min(negligible.to(tl.int32), 0) == 1
+
+
+@_jit
+def _fold_scores(t, q_scale, tile_max, m_i, l_i, acc, v_base, cols, v_len, negligible, MASKED: tl.constexpr,
+                 BRANCH_FREE: tl.constexpr, BARRIER_VOTE: tl.constexpr):
+    """The online-softmax update with one tile's scores ``t``. ``BRANCH_FREE``: the skip decision is taken here,
+    and a skipped tile leaves the state bit-identical (its P zeroed, the old max, row sum and alpha = 1 kept).
+    Returns the new state and the decision."""
+    v_ptrs = v_base + cols[None, :]
+    if MASKED:
+        v_t = tl.load(v_ptrs, mask=cols[None, :] < v_len, other=0.0)
+    else:
+        v_t = tl.load(v_ptrs)
+    m_new = tl.maximum(m_i, tile_max)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(t * q_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
+    row_sum = tl.sum(p, 1)
+    if BRANCH_FREE:
+        # Decided after the exps, so that the exchange between warps does not hold them up.
+        if BARRIER_VOTE:
+            skip_rows = _all_rows_by_barrier(negligible)
+        else:
+            skip_rows = tl.zeros_like(negligible) | _all_rows(negligible)
+        p = tl.where(skip_rows[:, None], 0.0, p)
+        m_new = tl.where(skip_rows, m_i, m_new)  # (skipped at λ ≥ 1, a tile may hold a larger max)
+        alpha = tl.where(skip_rows, 1.0, alpha)
+        row_sum = tl.where(skip_rows, 0.0, row_sum)
+    else:
+        skip_rows = False
+    l_i = l_i * alpha + row_sum
+    # Product then fp32 add: passing acc into an fp8 dot would accumulate across tiles in the tensor core's
+    # reduced-precision fp8 accumulator on sm_90.
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), tl.trans(v_t))
+    return m_new, l_i, acc, skip_rows
+
+
+@_jit
+def _all_rows_by_barrier(negligible):
+    """:func:`_all_rows` as a ``[BLOCK_M]`` vector (every element the decision), in one ``bar.red.and`` across
+    the program's threads instead of a reduction through shared memory (on an H200 that cut the branch-free
+    schedule's cost over dense by about half). Needs every thread to hold exactly two rows, so that one call
+    sees all of its rows: a 64-row tile of one warpgroup on sm_90 (:func:`_barrier_vote`)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred a, b; setp.ne.b32 a, $2, 0; setp.ne.b32 b, $3, 0; and.pred a, a, b; "
+        "bar.red.and.pred b, 0, a; selp.b32 $0, 1, 0, b; mov.b32 $1, $0; }",
+        "=r,=r,r,r", [negligible.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=2) != 0
 
 
 @_jit
@@ -596,7 +666,9 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
                            q_block_shift, k_block_shift, score_scale, skip_factor, group_size, heads_kv,
                            QK_INT8: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           FP8_QK_CHUNK: tl.constexpr, SKIP: tl.constexpr, COUNT_SKIPS: tl.constexpr):
+                           FP8_QK_CHUNK: tl.constexpr, SKIP: tl.constexpr, COUNT_SKIPS: tl.constexpr,
+                           SKIP_CHUNK: tl.constexpr, BRANCH_FREE_PERCENT: tl.constexpr,
+                           BARRIER_VOTE: tl.constexpr):
     """One program: BLOCK_M query rows of one head of one sequence against all of that sequence's keys.
 
     Scores live in the log2 domain (``score_scale`` = softmax scale · log2 e), so the skip test
@@ -632,20 +704,48 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     log2_lambda = tl.log2(skip_factor / kv_len.to(tl.float32))
-    skipped = 0
+    skipped = tl.zeros((BLOCK_M,), tl.int32)  # every element the count (the vote's result is a row vector)
     row_invalid = ~row_valid
     # Full KV tiles run unmasked; a partial last tile runs once more with masks.
     full_end = kv_len // BLOCK_N * BLOCK_N
-    for j in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc, skipped = _attend_kv_tile(
-            q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
-            k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
-            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, False)
+    if SKIP and BRANCH_FREE_PERCENT > 0:
+        # Runs of tiles on one schedule (AttentionLaunch.skip_chunk): each run's skip rate sets the next run's
+        # schedule, and a run that keeps it is twice as long, so that a steady program restarts Triton's software
+        # pipeline (a stall for the first loads) only a few times.
+        start = tl.zeros((), tl.int32)
+        run_tiles = tl.full((), SKIP_CHUNK, tl.int32)
+        branch_free = tl.full((), True, tl.int1)  # the first tiles are seldom skipped (the running max is new)
+        while start < full_end:
+            end = tl.minimum(start + run_tiles * BLOCK_N, full_end)
+            skipped_before = skipped
+            if branch_free:
+                for j in range(start, end, BLOCK_N):
+                    m_i, l_i, acc, skipped = _attend_kv_tile(
+                        q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
+                        k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
+                        QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, True, False, True, BARRIER_VOTE)
+            else:
+                for j in range(start, end, BLOCK_N):
+                    m_i, l_i, acc, skipped = _attend_kv_tile(
+                        q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
+                        k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
+                        QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, True, False, False, BARRIER_VOTE)
+            run_skips = tl.max(skipped - skipped_before, 0)
+            next_branch_free = run_skips * 100 < BRANCH_FREE_PERCENT * ((end - start) // BLOCK_N)
+            run_tiles = tl.where(next_branch_free == branch_free, run_tiles * 2, SKIP_CHUNK)
+            branch_free = next_branch_free
+            start = end
+    else:  # dense, or every tile branching
+        for j in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc, skipped = _attend_kv_tile(
+                q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
+                k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
+                QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, False, False, BARRIER_VOTE)
     if full_end < kv_len:
         m_i, l_i, acc, skipped = _attend_kv_tile(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
             k_scale_base, k_block_shift, v_base, full_end, kv_len, v_len, log2_lambda,
-            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, True)
+            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, True, False, BARRIER_VOTE)
 
     # acc and l_i both carry the factor 448 of P's fp8 encoding, which cancels here.
     v_scale = tl.load(v_scale_ptr + (seq * heads_kv + kv_head) * HEAD_DIM + dims)
@@ -653,4 +753,4 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
     tl.store(out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     if COUNT_SKIPS:
-        tl.atomic_add(skipped_ptr, skipped)
+        tl.atomic_add(skipped_ptr, tl.max(skipped, 0))

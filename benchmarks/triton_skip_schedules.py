@@ -1,0 +1,97 @@
+"""The Triton SAGE kernel's Skip-Softmax schedules against its dense launch, at Wan 2.2's self-attention shape
+(75,600 tokens × 40 heads × 128) on one GPU, attention only (Q, K, V quantized once per data set).
+
+Schedules (``triton_sage.AttentionLaunch``, 64 × 128 skip tiles): ``branching`` (a skipped tile's exps, V load and
+P·V not run; Triton does not pipeline the loads inside the branch), ``branch-free`` (every tile's work issued, a
+skipped tile's P zeroed; loads pipelined), ``alternating`` (runs of tiles on either, by the previous run's skip
+rate: what ``skip_launch`` picks for fp8). Data: random N(0, 1) (nothing to skip) and ``published_curve`` data at
+the published Wan 2.2 curve's s (benchmarks/data.py). Every schedule's output and skip count are checked
+bit-identical to ``branching``'s.
+
+    python benchmarks/triton_skip_schedules.py                       # writes $OUT/triton_skip_schedules.json
+    python benchmarks/triton_skip_schedules.py --sparsities 0.3,0.65 --dtypes int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.data import published_curve_qkv, random_qkv, skip_factor  # noqa: E402
+from benchmarks.hopper_sage import SCALE, bench_ms, cu  # noqa: E402
+from diffusers_trtllm.kernels import triton_sage  # noqa: E402
+
+TILE = (64, 128)
+RANDOM_DATA_S = 0.3  # the factor used on random data, where nothing is skipped at any published s
+
+
+def schedules(dtype_qk: str) -> dict[str, triton_sage.AttentionLaunch]:
+    base = triton_sage.skip_launch(TILE, dtype_qk)
+    return {"branching": dataclasses.replace(base, branch_free_below=0.0),
+            "branch-free": dataclasses.replace(base, branch_free_below=2.0),
+            "alternating": dataclasses.replace(base, branch_free_below=0.25)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sparsities", default="0.15,0.3,0.5,0.65,0.75", help="published-curve s values")
+    parser.add_argument("--dtypes", default="fp8_e4m3,int8", help="Q/K dtypes: fp8_e4m3, int8")
+    parser.add_argument("--tokens", type=int, default=75600)
+    parser.add_argument("--heads", type=int, default=40)
+    args = parser.parse_args()
+    try:
+        sparsities = [float(s) for s in args.sparsities.split(",")]
+    except ValueError:
+        parser.error(f"--sparsities: {args.sparsities!r} is not a comma-separated list of numbers")
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= {"fp8_e4m3", "int8"}:
+        parser.error(f"--dtypes: {args.dtypes!r}; valid: fp8_e4m3, int8")
+    tokens, heads = args.tokens, args.heads
+    out_path = os.path.join(os.environ.get("OUT", "."), "triton_skip_schedules.json")
+    results = {"meta": dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), shape=[tokens, heads, 128],
+                            tile=TILE), "rows": []}
+    cases = [("random", RANDOM_DATA_S)] + [("curve", s) for s in sparsities]
+    lengths = cu([tokens])
+    for dtype in dtypes:
+        for data, s in tqdm(cases, desc=dtype):
+            q, k, v = random_qkv(tokens, heads) if data == "random" else published_curve_qkv(tokens, heads)
+            quantized = triton_sage.sage_quantize(q, k, v, lengths, lengths, tokens, tokens, dtype_qk=dtype,
+                                                  q_block=1, k_block=16)
+            del q, k, v
+
+            def run(launch, factor, count=False):
+                return triton_sage.sage_attention_quantized(
+                    quantized, lengths, lengths, (tokens,), (tokens,), SCALE, skip_factor=factor, skip_tile=TILE,
+                    count_skips=count, launch=launch)
+
+            factor = skip_factor(s)
+            row = dict(dtype=dtype, data=data, s=s, factor=factor,
+                       dense_ms=bench_ms(lambda: run(triton_sage.DENSE_LAUNCH, 0.0)))
+            reference = None
+            for name, launch in schedules(dtype).items():
+                out, skipped, total = run(launch, factor, count=True)
+                if reference is None:
+                    reference = out, int(skipped)
+                    row["sparsity"] = int(skipped) / total
+                row[f"{name} identical"] = bool(torch.equal(out, reference[0])) and int(skipped) == reference[1]
+                row[f"{name} ms"] = bench_ms(lambda: run(launch, factor))
+                row[f"{name} x dense"] = row["dense_ms"] / row[f"{name} ms"]
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=1)
+            del quantized
+
+
+if __name__ == "__main__":
+    main()
