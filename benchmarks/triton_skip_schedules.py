@@ -38,7 +38,7 @@ def schedules(dtype_qk: str) -> dict[str, triton_sage.AttentionLaunch]:
     base = triton_sage.skip_launch(TILE, dtype_qk)
     return {"branching": dataclasses.replace(base, branch_free_below=0.0),
             "branch-free": dataclasses.replace(base, branch_free_below=2.0),
-            "alternating": dataclasses.replace(base, branch_free_below=0.25)}
+            "alternating": dataclasses.replace(base, branch_free_below=triton_sage.FP8_BRANCH_FREE_BELOW)}
 
 
 def main() -> None:

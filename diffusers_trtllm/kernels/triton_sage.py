@@ -105,18 +105,22 @@ class AttentionLaunch:
     branch_free_below: float = 0.0
 
 
+# AttentionLaunch.branch_free_below of fp8 skipping (:func:`skip_launch`); near where the branching schedule
+# breaks even with dense on an H200 (benchmarks/RESULTS.md)
+FP8_BRANCH_FREE_BELOW = 0.25
+
 # The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~13% faster
 # than 128 × 128 with two (587 vs 521 TFLOP/s at 16k tokens × 40 heads), which needs all 255 registers per thread.
 DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
 
 
 def skip_launch(tile: tuple[int, int], dtype_qk: str) -> AttentionLaunch:
-    """The launch for a skipping plan: the kernel tile is the skip tile ``plan.tile``, with one warp per 16 query
-    rows (a warpgroup per 64). fp8 alternates schedules (runs after one that skipped under a quarter of its tiles go
-    branch-free); int8 always branches: on an H200 its branch-free schedule cost more at every sparsity than it
-    saved (benchmarks/RESULTS.md, benchmarks/triton_skip_schedules.py)."""
+    """The launch for a skipping plan: the kernel tile is the skip tile, with one warp per 16 query rows (a
+    warpgroup per 64). fp8 alternates schedules (:data:`FP8_BRANCH_FREE_BELOW`); int8 always branches: on an H200
+    its branch-free schedule cost more at every sparsity than it saved (benchmarks/RESULTS.md,
+    benchmarks/triton_skip_schedules.py)."""
     return AttentionLaunch(tile[0], tile[1], num_warps=max(1, tile[0] // 16),
-                           branch_free_below=0.0 if dtype_qk == "int8" else 0.25)
+                           branch_free_below=0.0 if dtype_qk == "int8" else FP8_BRANCH_FREE_BELOW)
 
 
 class SageQuantized(NamedTuple):
@@ -303,9 +307,9 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     ``skip_tile``).
     """
     skips = skip_factor > 0.0
+    qk_int8 = quantized.q.dtype == torch.int8
     if launch is None:
-        dtype_qk = "int8" if quantized.q.dtype == torch.int8 else "fp8_e4m3"
-        launch = skip_launch(skip_tile, dtype_qk) if skips else DENSE_LAUNCH
+        launch = skip_launch(skip_tile, "int8" if qk_int8 else "fp8_e4m3") if skips else DENSE_LAUNCH
     if skips and (launch.block_m, launch.block_n) != tuple(skip_tile):
         raise ValueError(f"skip decisions are made per kernel tile: launch tile {launch.block_m}x{launch.block_n} "
                          f"must equal the skip tile {skip_tile}")
@@ -323,7 +327,7 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
         quantized.q_scale.stride(0), quantized.k_scale.stride(0),
         quantized.q_block.bit_length() - 1, quantized.k_block.bit_length() - 1,
         scale * LOG2E, skip_factor, heads_q // heads_kv, heads_kv,
-        QK_INT8=quantized.q.dtype == torch.int8,
+        QK_INT8=qk_int8,
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
         SKIP=skips, COUNT_SKIPS=count, SKIP_CHUNK=launch.skip_chunk,
         BRANCH_FREE_PERCENT=round(launch.branch_free_below * 100),
@@ -607,6 +611,21 @@ def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, str
 
 
 @_jit
+def _attend_kv_tiles(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base,
+                     k_block_shift, v_base, start, end, kv_len, v_len, log2_lambda,
+                     QK_INT8: tl.constexpr, FP8_QK_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SKIP: tl.constexpr, BRANCH_FREE: tl.constexpr,
+                     BARRIER_VOTE: tl.constexpr):
+    """:func:`_attend_kv_tile` over the full tiles ``start : end`` (one loop, software-pipelined by Triton)."""
+    for j in range(start, end, BLOCK_N):
+        m_i, l_i, acc, skipped = _attend_kv_tile(
+            q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
+            v_base, j, kv_len, v_len, log2_lambda,
+            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, False, BRANCH_FREE, BARRIER_VOTE)
+    return m_i, l_i, acc, skipped
+
+
+@_jit
 def _all_rows(negligible):
     """The tile-wide Skip-Softmax decision: every row's test passed."""
     return tl.min(negligible.to(tl.int32), 0) == 1
@@ -719,28 +738,25 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
             end = tl.minimum(start + run_tiles * BLOCK_N, full_end)
             skipped_before = skipped
             if branch_free:
-                for j in range(start, end, BLOCK_N):
-                    m_i, l_i, acc, skipped = _attend_kv_tile(
-                        q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
-                        k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
-                        QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, True, False, True, BARRIER_VOTE)
+                m_i, l_i, acc, skipped = _attend_kv_tiles(
+                    q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
+                    v_base, start, end, kv_len, v_len, log2_lambda,
+                    QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, True, True, BARRIER_VOTE)
             else:
-                for j in range(start, end, BLOCK_N):
-                    m_i, l_i, acc, skipped = _attend_kv_tile(
-                        q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
-                        k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
-                        QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, True, False, False, BARRIER_VOTE)
+                m_i, l_i, acc, skipped = _attend_kv_tiles(
+                    q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
+                    v_base, start, end, kv_len, v_len, log2_lambda,
+                    QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, True, False, BARRIER_VOTE)
             run_skips = tl.max(skipped - skipped_before, 0)
             next_branch_free = run_skips * 100 < BRANCH_FREE_PERCENT * ((end - start) // BLOCK_N)
             run_tiles = tl.where(next_branch_free == branch_free, run_tiles * 2, SKIP_CHUNK)
             branch_free = next_branch_free
             start = end
     else:  # dense, or every tile branching
-        for j in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc, skipped = _attend_kv_tile(
-                q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
-                k_scale_base, k_block_shift, v_base, j, kv_len, v_len, log2_lambda,
-                QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, False, False, BARRIER_VOTE)
+        m_i, l_i, acc, skipped = _attend_kv_tiles(
+            q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
+            v_base, 0, full_end, kv_len, v_len, log2_lambda,
+            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, False, BARRIER_VOTE)
     if full_end < kv_len:
         m_i, l_i, acc, skipped = _attend_kv_tile(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
