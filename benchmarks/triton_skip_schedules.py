@@ -3,10 +3,11 @@
 
 Schedules (``triton_sage.AttentionLaunch``, 64 × 128 skip tiles): ``branching`` (a skipped tile's exps, V load and
 P·V not run; Triton does not pipeline the loads inside the branch), ``branch-free`` (every tile's work issued, a
-skipped tile's P zeroed; loads pipelined), ``alternating`` (runs of tiles on either, by the previous run's skip
-rate: what ``skip_launch`` picks for fp8). Data: random N(0, 1) (nothing to skip) and ``published_curve`` data at
-the published Wan 2.2 curve's s (benchmarks/data.py). Every schedule's output and skip count are checked
-bit-identical to ``branching``'s.
+skipped tile's P zeroed; loads pipelined), ``alternating t`` (runs of tiles on either: branch-free after a run that
+skipped fewer than a fraction t of its tiles; ``skip_launch`` picks ``triton_sage.BRANCH_FREE_BELOW``). Data: random
+N(0, 1) (nothing to skip) and ``published_curve`` data at the published Wan 2.2 curve's s (benchmarks/data.py).
+Every schedule's output and skip count are checked bit-identical to ``branching``'s; the last lines give each
+schedule's worst ratio to dense over the data.
 
     python benchmarks/triton_skip_schedules.py                       # writes $OUT/triton_skip_schedules.json
     python benchmarks/triton_skip_schedules.py --sparsities 0.3,0.65 --dtypes int8
@@ -34,24 +35,31 @@ TILE = (64, 128)
 RANDOM_DATA_S = 0.3  # the factor used on random data, where nothing is skipped at any published s
 
 
-def schedules(dtype_qk: str) -> dict[str, triton_sage.AttentionLaunch]:
-    base = triton_sage.skip_launch(TILE, dtype_qk)
+def schedules(thresholds: list[float]) -> dict[str, triton_sage.AttentionLaunch]:
+    base = triton_sage.skip_launch(TILE)
     return {"branching": dataclasses.replace(base, branch_free_below=0.0),
             "branch-free": dataclasses.replace(base, branch_free_below=2.0),
-            "alternating": dataclasses.replace(base, branch_free_below=triton_sage.FP8_BRANCH_FREE_BELOW)}
+            **{f"alternating {t:g}": dataclasses.replace(base, branch_free_below=t) for t in thresholds}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sparsities", default="0.15,0.3,0.5,0.65,0.75", help="published-curve s values")
+    parser.add_argument("--sparsities", default="0.05,0.15,0.3,0.5,0.65,0.75", help="published-curve s values")
+    default_thresholds = sorted({0.02, 0.05, 0.1, 0.25, triton_sage.BRANCH_FREE_BELOW})
+    parser.add_argument("--thresholds", default=",".join(f"{t:g}" for t in default_thresholds),
+                        help="branch_free_below values of the alternating schedules")
     parser.add_argument("--dtypes", default="fp8_e4m3,int8", help="Q/K dtypes: fp8_e4m3, int8")
     parser.add_argument("--tokens", type=int, default=75600)
     parser.add_argument("--heads", type=int, default=40)
     args = parser.parse_args()
-    try:
-        sparsities = [float(s) for s in args.sparsities.split(",")]
-    except ValueError:
-        parser.error(f"--sparsities: {args.sparsities!r} is not a comma-separated list of numbers")
+    lists = {}
+    for name in ("sparsities", "thresholds"):
+        text = getattr(args, name)
+        try:
+            lists[name] = [float(value) for value in text.split(",")]
+        except ValueError:
+            parser.error(f"--{name}: {text!r} is not a comma-separated list of numbers")
+    sparsities, thresholds = lists["sparsities"], lists["thresholds"]
     dtypes = args.dtypes.split(",")
     if not set(dtypes) <= {"fp8_e4m3", "int8"}:
         parser.error(f"--dtypes: {args.dtypes!r}; valid: fp8_e4m3, int8")
@@ -78,7 +86,7 @@ def main() -> None:
             row = dict(dtype=dtype, data=data, s=s, factor=factor,
                        dense_ms=bench_ms(lambda: run(triton_sage.DENSE_LAUNCH, 0.0)))
             reference = None
-            for name, launch in schedules(dtype).items():
+            for name, launch in schedules(thresholds).items():
                 out, skipped, total = run(launch, factor, count=True)
                 if reference is None:
                     reference = out, int(skipped)
@@ -91,6 +99,12 @@ def main() -> None:
             with open(out_path, "w") as f:
                 json.dump(results, f, indent=1)
             del quantized
+    shipped = f"alternating {triton_sage.BRANCH_FREE_BELOW:g}"
+    for dtype in dtypes:
+        rows = [row for row in results["rows"] if row["dtype"] == dtype]
+        worst = {name: min(row[f"{name} x dense"] for row in rows) for name in schedules(thresholds)}
+        print(f"{dtype}: worst x dense " + ", ".join(f"{name}{' (skip_launch)' if name == shipped else ''} "
+                                                      f"{value:.3f}" for name, value in worst.items()))
 
 
 if __name__ == "__main__":

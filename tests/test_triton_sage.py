@@ -303,7 +303,7 @@ def test_gpu_skip_schedules_give_bit_identical_results(dtype):
     interpreter's path): every schedule still skips the same tiles and gives the same bits."""
     qkv = _positional_qkv((4096, 1500), (4096, 1500), 4, 2, sharpness=2.0, device="cuda")
     quantized = _quantize(qkv, AttnQuantSpec(dtype, 1, 16))
-    base = triton_sage.skip_launch((64, 128), dtype)
+    base = triton_sage.skip_launch((64, 128))
     launches = (dataclasses.replace(base, branch_free_below=0.0), dataclasses.replace(base, branch_free_below=2.0),
                 dataclasses.replace(base, skip_chunk=1, branch_free_below=0.5))
     runs = [triton_sage.sage_attention_quantized(

@@ -30,8 +30,8 @@ reference at that tile, tile for tile. ``TRTLLM_ATTN`` passes 64 × 128 on Hoppe
 Skipping runs one of two schedules per run of KV tiles, with bit-identical results: *branching* (a skipped tile's
 exps, V load and P·V are not run, but Triton cannot software-pipeline loads inside the branch, so with little to
 skip it is the slower one) and *branch-free* (every tile's work issued, a skipped tile's P zeroed, the tile vote
-one ``bar.red`` on sm_90: a fixed cost over dense whatever the sparsity). fp8 alternates by each run's skip rate
-(:func:`skip_launch`); int8, whose branch-free schedule costs more, always branches (benchmarks/RESULTS.md).
+one ``bar.red`` on sm_90: a fixed cost over dense whatever the sparsity). A run after one that skipped (almost)
+nothing is branch-free, else branching (:func:`skip_launch`, benchmarks/RESULTS.md).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
 cuDNN SDPA dense including the 1.9 ms of quantization.
 
@@ -105,22 +105,20 @@ class AttentionLaunch:
     branch_free_below: float = 0.0
 
 
-# AttentionLaunch.branch_free_below of fp8 skipping (:func:`skip_launch`); near where the branching schedule
-# breaks even with dense on an H200 (benchmarks/RESULTS.md)
-FP8_BRANCH_FREE_BELOW = 0.25
+# AttentionLaunch.branch_free_below of skipping (:func:`skip_launch`): a run that skipped little is followed by a
+# branch-free one. Of the thresholds measured on an H200 this one had the best worst case over sparsities, for fp8
+# and int8 (benchmarks/RESULTS.md, benchmarks/triton_skip_schedules.py)
+BRANCH_FREE_BELOW = 0.1
 
 # The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~13% faster
 # than 128 × 128 with two (587 vs 521 TFLOP/s at 16k tokens × 40 heads), which needs all 255 registers per thread.
 DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
 
 
-def skip_launch(tile: tuple[int, int], dtype_qk: str) -> AttentionLaunch:
+def skip_launch(tile: tuple[int, int]) -> AttentionLaunch:
     """The launch for a skipping plan: the kernel tile is the skip tile, with one warp per 16 query rows (a
-    warpgroup per 64). fp8 alternates schedules (:data:`FP8_BRANCH_FREE_BELOW`); int8 always branches: on an H200
-    its branch-free schedule cost more at every sparsity than it saved (benchmarks/RESULTS.md,
-    benchmarks/triton_skip_schedules.py)."""
-    return AttentionLaunch(tile[0], tile[1], num_warps=max(1, tile[0] // 16),
-                           branch_free_below=0.0 if dtype_qk == "int8" else FP8_BRANCH_FREE_BELOW)
+    warpgroup per 64), alternating schedules by :data:`BRANCH_FREE_BELOW`."""
+    return AttentionLaunch(tile[0], tile[1], num_warps=max(1, tile[0] // 16), branch_free_below=BRANCH_FREE_BELOW)
 
 
 class SageQuantized(NamedTuple):
@@ -309,7 +307,7 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     skips = skip_factor > 0.0
     qk_int8 = quantized.q.dtype == torch.int8
     if launch is None:
-        launch = skip_launch(skip_tile, "int8" if qk_int8 else "fp8_e4m3") if skips else DENSE_LAUNCH
+        launch = skip_launch(skip_tile) if skips else DENSE_LAUNCH
     if skips and (launch.block_m, launch.block_n) != tuple(skip_tile):
         raise ValueError(f"skip decisions are made per kernel tile: launch tile {launch.block_m}x{launch.block_n} "
                          f"must equal the skip tile {skip_tile}")
@@ -643,21 +641,21 @@ def _fold_scores(t, q_scale, tile_max, m_i, l_i, acc, v_base, cols, v_len, negli
     else:
         v_t = tl.load(v_ptrs)
     m_new = tl.maximum(m_i, tile_max)
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(t * q_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
-    row_sum = tl.sum(p, 1)
+    subtracted = m_new - _LOG2_P_SCALE
     if BRANCH_FREE:
-        # Decided after the exps, so that the exchange between warps does not hold them up.
+        # A skipped row subtracts +inf: its P is exp2(-inf) = 0 and its row sum 0, at a select per row instead of
+        # one per element of P.
         if BARRIER_VOTE:
             skip_rows = _all_rows_by_barrier(negligible)
         else:
             skip_rows = tl.zeros_like(negligible) | _all_rows(negligible)
-        p = tl.where(skip_rows[:, None], 0.0, p)
         m_new = tl.where(skip_rows, m_i, m_new)  # (skipped at λ ≥ 1, a tile may hold a larger max)
-        alpha = tl.where(skip_rows, 1.0, alpha)
-        row_sum = tl.where(skip_rows, 0.0, row_sum)
+        subtracted = tl.where(skip_rows, float("inf"), subtracted)
     else:
         skip_rows = False
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(t * q_scale[:, None] - subtracted[:, None])
+    row_sum = tl.sum(p, 1)
     l_i = l_i * alpha + row_sum
     # Product then fp32 add: passing acc into an fp8 dot would accumulate across tiles in the tensor core's
     # reduced-precision fp8 accumulator on sm_90.
