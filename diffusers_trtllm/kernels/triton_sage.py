@@ -30,8 +30,8 @@ reference at that tile, tile for tile. ``TRTLLM_ATTN`` passes 64 × 128 on Hoppe
 Skipping runs one of two schedules per run of KV tiles, with bit-identical results: *branching* (a skipped tile's
 exps, V load and P·V are not run, but Triton cannot software-pipeline loads inside the branch, so with little to
 skip it is the slower one) and *branch-free* (every tile's work issued, a skipped tile's P zeroed, the tile vote
-one ``bar.red`` on sm_90: a fixed cost over dense whatever the sparsity). A run after one that skipped (almost)
-nothing is branch-free, else branching (:func:`skip_launch`, benchmarks/RESULTS.md).
+one ``bar.red`` on sm_90: a fixed cost over dense whatever the sparsity). A run after one that skipped few of its
+tiles is branch-free, else branching (:func:`skip_launch`, benchmarks/RESULTS.md).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
 cuDNN SDPA dense including the 1.9 ms of quantization.
 
