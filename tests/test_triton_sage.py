@@ -92,6 +92,7 @@ def _unpack_quantized(z: triton_sage.SageQuantized, qkv: VarlenQKV):
 def _interpreter_cases():
     """Inputs for the interpreted run: (name, qkv, quant, plan, launch)."""
     cases = []
+    small_launch = triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1)
     ragged = _random_qkv((40, 90), (70, 100), heads_q=4, heads_kv=2)
     for dtype in QK_DTYPES:
         for q_block, k_block in BLOCK_PAIRS:
@@ -99,21 +100,21 @@ def _interpreter_cases():
                           None, None))
         quant = AttnQuantSpec(dtype, 4, 16)
         cases.append((f"dense-{dtype}", ragged, quant, KernelPlan("triton", 128 ** -0.5, quant=quant, tile=SMALL_TILE),
-                      triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1)))
+                      small_launch))
     peaky = _positional_qkv((128, 100), (160, 96), heads_q=2, heads_kv=1, sharpness=1.5)
     for dtype in QK_DTYPES:
         quant = AttnQuantSpec(dtype, 1, 16)
         plan = KernelPlan("triton", 128 ** -0.5, quant=quant, tile=SMALL_TILE, skip_factor=15.0, count_skips=True)
-        for schedule, launch in _skip_schedules().items():
+        for schedule, launch in _skip_schedules(small_launch).items():
             cases.append((f"skip-{dtype}{schedule}", peaky, quant, plan, launch))
     return cases
 
 
-def _skip_schedules():
-    """Launches of the skip tests by schedule: every tile branching (the default), every run branch-free, and
-    runs from one tile on, each following the previous run's decisions (both schedules in one program)."""
-    launch = triton_sage.AttentionLaunch(*SMALL_TILE, num_warps=4, num_stages=1)
-    return {"": launch, "-branch-free": dataclasses.replace(launch, branch_free_below=2.0),
+def _skip_schedules(launch):
+    """``launch`` on each schedule the skip tests compare: every tile branching, every run branch-free, and runs
+    from one tile on, each following the previous run's decisions (both schedules in one program)."""
+    return {"": dataclasses.replace(launch, branch_free_below=0.0),
+            "-branch-free": dataclasses.replace(launch, branch_free_below=2.0),
             "-alternating": dataclasses.replace(launch, skip_chunk=1, branch_free_below=0.5)}
 
 
@@ -303,12 +304,10 @@ def test_gpu_skip_schedules_give_bit_identical_results(dtype):
     interpreter's path): every schedule still skips the same tiles and gives the same bits."""
     qkv = _positional_qkv((4096, 1500), (4096, 1500), 4, 2, sharpness=2.0, device="cuda")
     quantized = _quantize(qkv, AttnQuantSpec(dtype, 1, 16))
-    base = triton_sage.skip_launch((64, 128))
-    launches = (dataclasses.replace(base, branch_free_below=0.0), dataclasses.replace(base, branch_free_below=2.0),
-                dataclasses.replace(base, skip_chunk=1, branch_free_below=0.5))
     runs = [triton_sage.sage_attention_quantized(
         quantized, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q, qkv.seqlens_kv, 128 ** -0.5,
-        skip_factor=400.0, skip_tile=(64, 128), count_skips=True, launch=launch) for launch in launches]
+        skip_factor=400.0, skip_tile=(64, 128), count_skips=True, launch=launch)
+        for launch in _skip_schedules(triton_sage.skip_launch((64, 128))).values()]
     (out, skipped, total), others = runs[0], runs[1:]
     assert 0.05 * total < int(skipped) < 0.95 * total
     for other_out, other_skipped, _ in others:

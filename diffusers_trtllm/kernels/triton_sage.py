@@ -305,7 +305,6 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     ``skip_tile``).
     """
     skips = skip_factor > 0.0
-    qk_int8 = quantized.q.dtype == torch.int8
     if launch is None:
         launch = skip_launch(skip_tile) if skips else DENSE_LAUNCH
     if skips and (launch.block_m, launch.block_n) != tuple(skip_tile):
@@ -325,7 +324,7 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
         quantized.q_scale.stride(0), quantized.k_scale.stride(0),
         quantized.q_block.bit_length() - 1, quantized.k_block.bit_length() - 1,
         scale * LOG2E, skip_factor, heads_q // heads_kv, heads_kv,
-        QK_INT8=qk_int8,
+        QK_INT8=quantized.q.dtype == torch.int8,
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
         SKIP=skips, COUNT_SKIPS=count, SKIP_CHUNK=launch.skip_chunk,
         BRANCH_FREE_PERCENT=round(launch.branch_free_below * 100),
