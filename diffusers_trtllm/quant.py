@@ -44,7 +44,12 @@ class SageSemantics:
     one accumulator across all KV steps (rescaled exactly in between). ``None``: exact float32 sums.
 
     ``skip_tile``: ``(query rows, keys)`` per Skip-Softmax decision where the kernel fixes it (``None``: the plan's
-    tile)."""
+    tile).
+
+    ``skip_sample``: ``(every, pays_from)`` where the kernel skips only in the heads where skipping pays: each
+    (sequence, head)'s every ``every``-th query tile (from the first) skips; its other query tiles skip only if
+    those skipped at least a fraction ``pays_from`` of their KV tiles, and are attended dense otherwise. ``None``:
+    every query tile skips."""
 
     dtype_qk: str
     q_block: int
@@ -54,6 +59,7 @@ class SageSemantics:
     kv_step: int | None = None
     fp8_accumulator_bits: int | None = None
     skip_tile: tuple[int, int] | None = None
+    skip_sample: tuple[int, float] | None = None
 
 
 def qmax(dtype_qk: str) -> float:

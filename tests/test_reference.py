@@ -253,6 +253,41 @@ def test_backend_decides_skips_per_the_sage_kernels_own_tile(monkeypatch):
     assert 0 < result.skipped_tiles == skipped and torch.equal(result.out, out.to(result.out.dtype))
 
 
+def test_sampled_skipping_keeps_skipping_only_in_heads_whose_sample_skipped_enough():
+    """``SageSemantics.skip_sample`` (the Triton kernel's rule): every ``every``-th query tile skips; a head's
+    other tiles skip only if those skipped at least ``pays_from`` of their tiles, else they are computed dense."""
+    q, k, v = (x.float() for x in local_qkv(s=1024, h=2, d=32))
+    q[:, 1] *= 0.1  # head 1: flat attention, nothing near the threshold
+    tile, lam = (64, 128), 0.05
+    every_tile, skipped_all, total = reference_attention(q, k, v, 32 ** -0.5, skip_lambda=lam,
+                                                         quant=SageSemantics("int8", 1, 16), tile=tile)
+    dense, _, _ = reference_attention(q, k, v, 32 ** -0.5, quant=SageSemantics("int8", 1, 16), tile=tile)
+    per_head = [int(reference_attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], 32 ** -0.5, skip_lambda=lam,
+                                        quant=SageSemantics("int8", 1, 16), tile=tile)[1]) for h in range(2)]
+    assert per_head[0] > 0 and per_head[0] + per_head[1] == int(skipped_all)
+
+    def sampled(every, pays_from):
+        semantics = SageSemantics("int8", 1, 16, skip_sample=(every, pays_from))
+        return reference_attention(q, k, v, 32 ** -0.5, skip_lambda=lam, quant=semantics, tile=tile)
+
+    for every in (1, 3):  # every tile in the sample, or a sample whose rate pays: as if every tile skipped
+        out, skipped, n = sampled(every, 0.0)
+        assert n == total and int(skipped) == int(skipped_all) and torch.allclose(out, every_tile, atol=1e-6)
+    out, skipped, n = sampled(4, 1.01)  # never pays: only the sampled tiles (0, 4, 8, ...) skip
+    rows_sampled = torch.arange(1024) // tile[0] % 4 == 0
+    assert n == total and 0 < int(skipped) < int(skipped_all)
+    assert torch.allclose(out[~rows_sampled], dense[~rows_sampled], atol=1e-6)
+    assert torch.allclose(out[rows_sampled], every_tile[rows_sampled], atol=1e-6)
+    # between the two heads' rates: head 0 keeps skipping everywhere, head 1 only in its sample
+    rate_0 = per_head[0] / (total // 2)
+    out, skipped, _ = sampled(4, rate_0 / 2)
+    assert torch.allclose(out[:, 0], every_tile[:, 0], atol=1e-6)
+    assert torch.allclose(out[~rows_sampled, 1], dense[~rows_sampled, 1], atol=1e-6)
+    with pytest.raises(ValueError, match="non-causal"):
+        reference_attention(q, k, v, 32 ** -0.5, causal=True, skip_lambda=lam,
+                            quant=SageSemantics("int8", 1, 16, skip_sample=(4, 0.25)), tile=tile)
+
+
 @pytest.mark.slow
 def test_memory_stays_bounded_at_32k_tokens_on_cpu():
     s, d = 32768, 32

@@ -42,6 +42,22 @@ def _positional_qkv(lens_q, lens_kv, heads_q, heads_kv, sharpness, dtype=torch.b
     return VarlenQKV(*(x.to(dtype).to(device) for x in (q, k, v)), tuple(lens_q), tuple(lens_kv))
 
 
+def _offset_qkv(lens, periods, tile_keys, dtype=torch.bfloat16, device="cpu"):
+    """Packed Q, K, V (as many heads as ``periods``) where head ``h``'s KV tiles ``j`` of ``tile_keys`` keys with
+    ``j % periods[h] == periods[h] - 1`` score 8 nats below the others (one query channel constant, the matching
+    key channel carrying the offset, over N(0, 0.3²) noise): at λ = 0.01 every query tile skips exactly those
+    tiles, about 1 / period of them."""
+    d, heads = triton_sage.HEAD_DIM, len(periods)
+    q = 0.3 * torch.randn(sum(lens), heads, d)
+    k = 0.3 * torch.randn(sum(lens), heads, d)
+    q[..., 0] = 1.0
+    tile = torch.cat([torch.arange(n) // tile_keys for n in lens])[:, None]
+    period = torch.tensor(periods)[None, :]
+    k[..., 0] = torch.where(tile % period == period - 1, -8.0, 0.0) * d ** 0.5  # score = offset at scale D^-½
+    v = torch.randn(sum(lens), heads, d)
+    return VarlenQKV(*(x.to(dtype).to(device) for x in (q, k, v)), tuple(lens), tuple(lens))
+
+
 def _random_qkv(lens_q, lens_kv, heads_q, heads_kv, dtype=torch.bfloat16, device="cpu", k_offset=0.5):
     """Random packed Q, K, V; K has a per-channel offset so that smoothing matters."""
     d = triton_sage.HEAD_DIM
@@ -51,18 +67,20 @@ def _random_qkv(lens_q, lens_kv, heads_q, heads_kv, dtype=torch.bfloat16, device
     return VarlenQKV(*(x.to(dtype).to(device) for x in (q, k, v)), tuple(lens_q), tuple(lens_kv))
 
 
-def _semantics(quant: AttnQuantSpec | None) -> SageSemantics | None:
-    """The Triton kernel's semantics for ``quant`` (per-sequence statistics, P·448)."""
-    return None if quant is None else SageSemantics(quant.dtype_qk, quant.q_block_size, quant.k_block_size)
+def _semantics(quant: AttnQuantSpec | None, skip_sample=None) -> SageSemantics | None:
+    """The Triton kernel's semantics for ``quant`` (per-sequence statistics, P·448), skipping where its sampled
+    query tiles found it to pay (``skip_sample``, as ``SageSemantics``) or everywhere (None)."""
+    return None if quant is None else SageSemantics(quant.dtype_qk, quant.q_block_size, quant.k_block_size,
+                                                    skip_sample=skip_sample)
 
 
-def _reference(qkv: VarlenQKV, plan: KernelPlan, compute=torch.float32):
+def _reference(qkv: VarlenQKV, plan: KernelPlan, compute=torch.float32, skip_sample=None):
     """Reference output (float32) and skip counts for a packed batch, sequence by sequence."""
     outs, skipped, total = [], 0, 0
     for (q, k, v, _), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
         lam = plan.skip_factor / kv_len if plan.skips else 0.0
         o, s, t = reference_attention(q.to(compute), k.to(compute), v.to(compute), plan.scale, skip_lambda=lam,
-                                      quant=_semantics(plan.quant), tile=plan.tile)
+                                      quant=_semantics(plan.quant, skip_sample), tile=plan.tile)
         outs.append(o.float())
         skipped += s
         total += t
@@ -107,7 +125,17 @@ def _interpreter_cases():
         plan = KernelPlan("triton", 128 ** -0.5, quant=quant, tile=SMALL_TILE, skip_factor=15.0, count_skips=True)
         for schedule, launch in _skip_schedules(small_launch).items():
             cases.append((f"skip-{dtype}{schedule}", peaky, quant, plan, launch))
+        # heads skipping 1/2 and 1/6 of their tiles: the second skips less than SMALL_SAMPLING needs
+        mixed = _offset_qkv((200, 100), (2, 6), SMALL_TILE[1])
+        plan = dataclasses.replace(plan, skip_factor=0.01 * 200)
+        for name, launch in (("every-tile", small_launch), ("dense", small_launch),
+                             ("sampled", dataclasses.replace(small_launch, **SMALL_SAMPLING))):
+            cases.append((f"pays-{dtype}-{name}", mixed, quant,
+                          dataclasses.replace(plan, skip_factor=0.0) if name == "dense" else plan, launch))
     return cases
+
+
+SMALL_SAMPLING = dict(skip_sample_every=2, skip_pays_from=0.3)  # AttentionLaunch fields of the interpreted run
 
 
 def _skip_schedules(launch):
@@ -233,6 +261,33 @@ def test_skip_schedules_give_bit_identical_results(interpreted, dtype, schedule)
     assert torch.equal(other_out, out)
 
 
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+def test_skipping_only_where_it_pays_runs_the_other_heads_dense_like_the_reference(interpreted, dtype):
+    """With sampling, a (sequence, head) whose sampled query tiles skipped too little attends its other query tiles
+    exactly as the dense launch does; counts and output follow the reference of that rule."""
+    cases, results = interpreted
+    qkv, _, plan = cases[f"pays-{dtype}-sampled"]
+    out, skipped, total = results[f"pays-{dtype}-sampled"]
+    every_tile, every_tile_skipped, _ = results[f"pays-{dtype}-every-tile"]
+    dense = results[f"pays-{dtype}-dense"][0]
+    sample = (SMALL_SAMPLING["skip_sample_every"], SMALL_SAMPLING["skip_pays_from"])
+    ref, ref_skipped, ref_total = _reference(qkv, plan, skip_sample=sample)
+    _, ref_every_tile_skipped, _ = _reference(qkv, plan)
+    assert int(every_tile_skipped) == ref_every_tile_skipped
+    assert 0 < ref_skipped < ref_every_tile_skipped  # the rule keeps some heads from skipping, not all
+    assert int(skipped) == ref_skipped and int(total) == ref_total
+    assert _rel(out, ref) < 5e-3
+    _assert_dense_where_routed(out, every_tile, dense)
+
+
+def _assert_dense_where_routed(out, every_tile, dense):
+    """The rows where skipping only where it pays differs from every tile skipping are the dense launch's, bit
+    for bit, and there are some."""
+    routed = (out != every_tile).any(dim=-1)  # [tokens, heads]
+    assert routed.any()
+    assert torch.equal(out[routed], dense[routed])
+
+
 def test_unavailable_reasons():
     qkv = _random_qkv((64,), (64,), 2, 2)
     q, k, v = qkv.q, qkv.k, qkv.v
@@ -289,7 +344,8 @@ def test_gpu_skip_counts_match_reference(tile):
     quant = AttnQuantSpec("int8", 1, 16)
     plan = KernelPlan("triton", 128 ** -0.5, quant=quant, skip_factor=400.0, tile=tile, count_skips=True)
     out, skipped, total = _attention(qkv, plan)
-    ref, ref_skipped, ref_total = _reference(qkv, plan)
+    ref, ref_skipped, ref_total = _reference(qkv, plan, skip_sample=(triton_sage.SKIP_SAMPLE_EVERY,
+                                                                     triton_sage.SKIP_PAYS_FROM))
     assert int(total) == ref_total
     assert 0.05 * ref_total < ref_skipped < 0.95 * ref_total
     # Scores agree to float32 rounding; a decision exactly at the threshold may go either way.
@@ -313,6 +369,37 @@ def test_gpu_skip_schedules_give_bit_identical_results(dtype):
     for other_out, other_skipped, _ in others:
         assert int(other_skipped) == int(skipped)
         assert torch.equal(other_out, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+def test_gpu_skipping_only_where_it_pays(dtype):
+    """The default skipping launch: heads whose sampled query tiles skip under ``SKIP_PAYS_FROM`` of the KV tiles
+    attend dense, bit for bit as the dense launch; the others skip as every tile would; counts as the reference."""
+    qkv = _offset_qkv((4096, 1500), (2, 8, 3, 20), 128, device="cuda")  # 50 %, 12.5 %, 33 %, 5 % skippable
+    quantized = _quantize(qkv, AttnQuantSpec(dtype, 1, 16))
+    factor = 0.01 * 4096
+
+    def attend(launch, skip_factor=factor):
+        return triton_sage.sage_attention_quantized(
+            quantized, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q, qkv.seqlens_kv, 128 ** -0.5,
+            skip_factor=skip_factor, skip_tile=(64, 128), count_skips=True, launch=launch)
+
+    shipped = triton_sage.skip_launch((64, 128))
+    out, skipped, total = attend(shipped)
+    every_tile, every_tile_skipped, _ = attend(dataclasses.replace(shipped, skip_sample_every=0))
+    dense = attend(triton_sage.DENSE_LAUNCH, 0.0)[0]
+    plan = KernelPlan("triton", 128 ** -0.5, quant=AttnQuantSpec(dtype, 1, 16), skip_factor=factor, tile=(64, 128))
+    ref, ref_skipped, ref_total = _reference(qkv, plan, skip_sample=(triton_sage.SKIP_SAMPLE_EVERY,
+                                                                     triton_sage.SKIP_PAYS_FROM))
+    assert int(total) == ref_total and int(skipped) == ref_skipped
+    assert 0 < int(skipped) < int(every_tile_skipped)
+    _assert_dense_where_routed(out, every_tile, dense)
+    sampled = torch.cat([torch.arange(n, device="cuda") // 64 % triton_sage.SKIP_SAMPLE_EVERY == 0
+                         for n in qkv.seqlens_q])
+    heads_skipping = ((out != dense).any(dim=-1) & ~sampled[:, None]).any(dim=0)
+    assert heads_skipping.tolist() == [True, False, True, False]
+    assert _rel(out, ref) < (5e-3 if dtype == "int8" else 1.5e-2)
 
 
 @pytest.mark.gpu

@@ -102,7 +102,36 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     q's dtype, skipped tiles, total tiles)``; tiles count (head, query tile, KV tile) triples. ``causal`` aligns
     the last query with the last key (bottom-right, as FlashInfer's kernels and ``TORCH_SDPA``); a query that
     sees no key gets 0.
+
+    With ``quant.skip_sample`` (the Triton kernel's rule), a head's query tiles other than every ``every``-th skip
+    only if those sampled tiles skipped at least ``pays_from`` of their KV tiles, and are attended dense otherwise.
     """
+    sample = quant.skip_sample if quant is not None else None
+    if skip_lambda == 0.0 or sample is None:
+        out, skipped, tiles = _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step,
+                                               query_chunk, k_mean, v_scale)
+        return out, skipped if isinstance(skipped, int) else skipped.sum(), tiles * q.shape[1]
+    if causal:
+        raise ValueError("sampled Skip-Softmax (SageSemantics.skip_sample) is defined for non-causal attention only")
+    every, pays_from = sample
+    row_tiles = torch.arange(q.shape[0], device=q.device) // tile[0]
+    sampled = row_tiles % every == 0
+    parts = [q[sampled], k, v, scale, causal]
+    out_s, skipped_s, tiles_s = _tiled_attention(*parts, skip_lambda, quant, tile, kv_step, query_chunk, k_mean,
+                                                 v_scale)
+    # the kernel's integer test: skipped · 100 >= percent · visited, per head
+    pays = skipped_s * 100 >= round(pays_from * 100) * tiles_s
+    parts[0] = q[~sampled]
+    out_o, skipped_o, tiles_o = _tiled_attention(*parts, torch.where(pays, skip_lambda, 0.0), quant, tile, kv_step,
+                                                 query_chunk, k_mean, v_scale)
+    out = torch.empty_like(q)
+    out[sampled], out[~sampled] = out_s, out_o
+    return out, (skipped_s + skipped_o).sum(), (tiles_s + tiles_o) * q.shape[1]
+
+
+def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, query_chunk, k_mean, v_scale):
+    """:func:`reference_attention`'s tile loop; ``skip_lambda`` a float or one λ per query head (0: dense).
+    Returns (out, skipped tiles per head ``[H]`` (int 0 when not skipping), tiles per head)."""
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     sq, hq, d = q.shape
@@ -132,7 +161,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         q = q * scale
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, S, D]
     out = torch.empty(hq, sq, d, dtype=compute, device=q.device)
-    skipped = total = 0
+    skipped = tiles = 0
+    skipping = bool(torch.as_tensor(skip_lambda).gt(0.0).any())
+    lam = torch.as_tensor(skip_lambda, dtype=compute, device=q.device).reshape(-1, 1, 1)
     for c0 in range(0, sq, chunk):
         rows = min(chunk, sq - c0)
         qc = qh[:, c0:c0 + rows]
@@ -153,21 +184,22 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
             ntk = -(-cols // tk)
             # per-tile row maxima [H, rows, ntk]; a partial last tile is padded with -inf
             tmax = torch.nn.functional.pad(s, (0, ntk * tk - cols), value=-math.inf).view(hq, rows, ntk, tk).amax(-1)
-            if skip_lambda > 0.0:
+            if skipping:
                 # A row finds a tile negligible when it adds nothing (all masked) or when its max is far below the
-                # running max at the step's start; a row with no running max yet (first step) never does.
+                # running max at the step's start; a row with no running max yet (first step) never does. A head
+                # with λ = 0 runs dense.
                 started = (m > -math.inf)[..., None]
-                below = (tmax == -math.inf) | (started & (torch.exp(tmax - m[..., None]) < skip_lambda))
+                below = ((tmax == -math.inf) | (started & (torch.exp(tmax - m[..., None]) < lam))) & (lam > 0)
                 padded = torch.nn.functional.pad(below, (0, 0, 0, row_pad), value=True)
                 tile_skip = padded.view(hq, ntq, tq, ntk).all(dim=2)  # [H, ntq, ntk]
-                skipped = skipped + tile_skip.sum()  # stays on the device: no sync per tile
+                skipped = skipped + tile_skip.sum(dim=(1, 2))  # stays on the device: no sync per tile
                 keep_tiles = ~tile_skip.repeat_interleave(tq, dim=1)[:, :rows]  # [H, rows, ntk]
                 tmax = torch.where(keep_tiles, tmax, -math.inf)
                 keep = keep_tiles.repeat_interleave(tk, dim=2)[..., :cols].to(compute)
                 issued = keep_tiles.repeat_interleave(tk // GMMA_K, dim=2) if bits else None
             else:
                 keep = issued = None
-            total += hq * ntq * ntk
+            tiles += ntq * ntk
             new_m = torch.maximum(m, tmax.amax(-1))
             safe_m = torch.where(new_m == -math.inf, torch.zeros_like(new_m), new_m)
             p = torch.exp(s - safe_m[..., None])
@@ -185,7 +217,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         out[:, c0:c0 + rows] = torch.where(lsum[..., None] > 0, acc / lsum[..., None], 0.0)
     if quant is not None:
         out = out * (v_scale[:, None, :].to(compute) / quant.p_scale)
-    return out.transpose(0, 1).to(out_dtype), skipped, total
+    return out.transpose(0, 1).to(out_dtype), skipped, tiles
 
 
 def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:

@@ -86,6 +86,9 @@ FMHA_V2_USER_K_BLOCKS = tuple(b for b in fmha_v2_sage.K_BLOCKS if b)  # 0 (per s
 # The Triton SAGE kernel's Skip-Softmax tile on sm_90: its dense launch's tile (one warpgroup per program). With
 # 128 × 128 tiles (two warpgroups) it took 17-19 % longer at the same sparsity on an H200 (benchmarks/RESULTS.md).
 TRITON_SKIP_TILE_SM90 = (triton_sage.DENSE_LAUNCH.block_m, triton_sage.DENSE_LAUNCH.block_n)
+# The Triton SAGE kernel skips only in the heads where its sampled query tiles found skipping to pay
+# (SageSemantics.skip_sample).
+TRITON_SKIP_SAMPLE = (triton_sage.SKIP_SAMPLE_EVERY, triton_sage.SKIP_PAYS_FROM)
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the
 # installed FlashInfer, so an older or changed one is refused with a reason instead of failing mid-pipeline).
@@ -180,7 +183,8 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
         k_block = PORTABLE_BLOCKS[1] if quant.k_block_size is None else quant.k_block_size
         blackwell = arch in TRTLLM_GEN_ARCHS
         semantics = SageSemantics(quant.dtype_qk, q_block, k_block, p_scale=P_SCALE, batch_stats=blackwell,
-                                  skip_tile=TRITON_SKIP_TILE_SM90 if arch in FMHA_V2_ARCHS else None)
+                                  skip_tile=TRITON_SKIP_TILE_SM90 if arch in FMHA_V2_ARCHS else None,
+                                  skip_sample=None if blackwell else TRITON_SKIP_SAMPLE)
         kernel = "trtllm-gen" if blackwell else "Triton"
     if unset and arch is not None:
         _log_choice(arch, quant, semantics, kernel)

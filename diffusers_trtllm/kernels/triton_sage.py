@@ -103,12 +103,22 @@ class AttentionLaunch:
     # double while the schedule stays.
     skip_chunk: int = 8
     branch_free_below: float = 0.0
+    # Skipping only where it pays: every ``skip_sample_every``-th query tile of each (sequence, head) attends first,
+    # in a launch of its own, with skipping; the head's other query tiles skip only if those skipped at least
+    # ``skip_pays_from`` of their KV tiles, and otherwise attend dense (no vote: dense speed). 0 skips everywhere.
+    skip_sample_every: int = 0
+    skip_pays_from: float = 0.0
 
 
 # AttentionLaunch.branch_free_below of skipping (:func:`skip_launch`): a run that skipped little is followed by a
 # branch-free one. Of the thresholds measured on an H200 this one had the best worst case over sparsities, for fp8
 # and int8 (benchmarks/RESULTS.md, benchmarks/triton_skip_schedules.py)
 BRANCH_FREE_BELOW = 0.1
+# AttentionLaunch.skip_sample_every / skip_pays_from of skipping: below a quarter of the tiles skipped, skipping
+# costs more than it saves on an H200 (fp8 breaks even near 0.24, int8 near 0.28: benchmarks/RESULTS.md); one
+# query tile in 32 is the sample (a fraction of the vote's cost with nothing to skip).
+SKIP_SAMPLE_EVERY = 32
+SKIP_PAYS_FROM = 0.25
 
 # The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~13% faster
 # than 128 × 128 with two (587 vs 521 TFLOP/s at 16k tokens × 40 heads), which needs all 255 registers per thread.
@@ -117,8 +127,10 @@ DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
 
 def skip_launch(tile: tuple[int, int]) -> AttentionLaunch:
     """The launch for a skipping plan: the kernel tile is the skip tile, with one warp per 16 query rows (a
-    warpgroup per 64), alternating schedules by :data:`BRANCH_FREE_BELOW`."""
-    return AttentionLaunch(tile[0], tile[1], num_warps=max(1, tile[0] // 16), branch_free_below=BRANCH_FREE_BELOW)
+    warpgroup per 64), alternating schedules by :data:`BRANCH_FREE_BELOW`, skipping in the heads where it pays
+    (:data:`SKIP_SAMPLE_EVERY`, :data:`SKIP_PAYS_FROM`)."""
+    return AttentionLaunch(tile[0], tile[1], num_warps=max(1, tile[0] // 16), branch_free_below=BRANCH_FREE_BELOW,
+                           skip_sample_every=SKIP_SAMPLE_EVERY, skip_pays_from=SKIP_PAYS_FROM)
 
 
 class SageQuantized(NamedTuple):
@@ -315,21 +327,29 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     count = count_skips and skips
     skipped = torch.zeros((), dtype=torch.int32, device=q.device)
-    grid = (-(-max(seqlens_q) // launch.block_m), heads_q, batch)
-    _sage_attention_kernel[grid](
+    query_tiles = -(-max(seqlens_q) // launch.block_m)
+    sample_every = launch.skip_sample_every if skips else 0
+    # per (sequence, head): KV tiles the sampled query tiles skipped, and all they visited
+    sample_counts = torch.zeros(batch, heads_q, 2, dtype=torch.int32, device=q.device) if sample_every else skipped
+    args = (
         quantized.q, quantized.k, quantized.v_t, quantized.q_scale, quantized.k_scale, quantized.v_scale,
-        out, skipped, cu_seqlens_q, cu_seqlens_kv,
+        out, skipped, sample_counts, cu_seqlens_q, cu_seqlens_kv,
         quantized.q.stride(0), quantized.q.stride(1), quantized.k.stride(0), quantized.k.stride(1),
         quantized.v_t.stride(0), quantized.v_t.stride(1), out.stride(0), out.stride(1),
         quantized.q_scale.stride(0), quantized.k_scale.stride(0),
         quantized.q_block.bit_length() - 1, quantized.k_block.bit_length() - 1,
-        scale * LOG2E, skip_factor, heads_q // heads_kv, heads_kv,
+        scale * LOG2E, skip_factor, heads_q // heads_kv, heads_kv)
+    constants = dict(
         QK_INT8=quantized.q.dtype == torch.int8,
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
         SKIP=skips, COUNT_SKIPS=count, SKIP_CHUNK=launch.skip_chunk,
-        BRANCH_FREE_PERCENT=round(launch.branch_free_below * 100),
-        BARRIER_VOTE=_barrier_vote(launch, q.device),
+        BRANCH_FREE_PERCENT=round(launch.branch_free_below * 100), SAMPLE_EVERY=sample_every,
+        PAYS_FROM_PERCENT=round(launch.skip_pays_from * 100), BARRIER_VOTE=_barrier_vote(launch, q.device),
         num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if sample_every:  # the sampled query tiles first: the other tiles read what they skipped
+        _sage_attention_kernel[(-(-query_tiles // sample_every), heads_q, batch)](*args, SAMPLE_PASS=True,
+                                                                                 **constants)
+    _sage_attention_kernel[(query_tiles, heads_q, batch)](*args, SAMPLE_PASS=False, **constants)
     if not count_skips:
         return out, None, None
     tq, tk = skip_tile  # the reference's count, also when a dense launch used another tile
@@ -676,7 +696,7 @@ def _all_rows_by_barrier(negligible):
 
 @_jit
 def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, skipped_ptr,
-                           cu_q_ptr, cu_kv_ptr,
+                           sample_counts_ptr, cu_q_ptr, cu_kv_ptr,
                            stride_qt, stride_qh, stride_kt, stride_kh, v_t_head_stride, v_t_dim_stride,
                            stride_ot, stride_oh, q_scale_stride, k_scale_stride,
                            q_block_shift, k_block_shift, score_scale, skip_factor, group_size, heads_kv,
@@ -684,13 +704,24 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            FP8_QK_CHUNK: tl.constexpr, SKIP: tl.constexpr, COUNT_SKIPS: tl.constexpr,
                            SKIP_CHUNK: tl.constexpr, BRANCH_FREE_PERCENT: tl.constexpr,
+                           SAMPLE_EVERY: tl.constexpr, PAYS_FROM_PERCENT: tl.constexpr, SAMPLE_PASS: tl.constexpr,
                            BARRIER_VOTE: tl.constexpr):
     """One program: BLOCK_M query rows of one head of one sequence against all of that sequence's keys.
 
     Scores live in the log2 domain (``score_scale`` = softmax scale · log2 e), so the skip test
     ``exp(tile_max - m) < λ`` becomes ``tile_max₂ - m₂ < log2 λ``.
+
+    ``SAMPLE_EVERY`` > 0 (AttentionLaunch.skip_sample_every): the ``SAMPLE_PASS`` launch attends every
+    SAMPLE_EVERY-th query tile, skipping, and adds its skipped and visited KV tiles to ``sample_counts`` ``[B, H,
+    2]``; the second launch attends the other query tiles, skipping in the (sequence, head)s whose sample skipped at
+    least PAYS_FROM_PERCENT % of its tiles and dense in the others.
     """
     tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SAMPLE_EVERY > 0:
+        if SAMPLE_PASS:
+            tile = tile * SAMPLE_EVERY
+        elif tile % SAMPLE_EVERY == 0:
+            return
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -724,7 +755,18 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
     row_invalid = ~row_valid
     # Full KV tiles run unmasked; a partial last tile runs once more with masks.
     full_end = kv_len // BLOCK_N * BLOCK_N
-    if SKIP and BRANCH_FREE_PERCENT > 0:
+    sample_counts = sample_counts_ptr + (seq * tl.num_programs(1) + head) * 2
+    if SKIP and SAMPLE_EVERY > 0 and not SAMPLE_PASS:
+        skips_pay = tl.load(sample_counts) * 100 >= PAYS_FROM_PERCENT * tl.load(sample_counts + 1)
+        log2_lambda = tl.where(skips_pay, log2_lambda, float("-inf"))  # nothing passes: dense
+    else:
+        skips_pay = True
+    if SKIP and not skips_pay:
+        m_i, l_i, acc, skipped = _attend_kv_tiles(
+            q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
+            v_base, 0, full_end, kv_len, v_len, log2_lambda,
+            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, False, False, BARRIER_VOTE)
+    elif SKIP and BRANCH_FREE_PERCENT > 0:
         # Runs of tiles on one schedule (AttentionLaunch.skip_chunk): each run's skip rate sets the next run's
         # schedule, and a run that keeps it is twice as long, so that a steady program restarts Triton's software
         # pipeline (a stall for the first loads) only a few times.
@@ -767,3 +809,6 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     if COUNT_SKIPS:
         tl.atomic_add(skipped_ptr, tl.max(skipped, 0))
+    if SKIP and SAMPLE_PASS:
+        tl.atomic_add(sample_counts, tl.max(skipped, 0))
+        tl.atomic_add(sample_counts + 1, (kv_len + BLOCK_N - 1) // BLOCK_N)
