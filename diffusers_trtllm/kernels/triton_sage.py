@@ -31,7 +31,12 @@ Skipping runs one of two schedules per run of KV tiles, with bit-identical resul
 exps, V load and P·V are not run, but Triton cannot software-pipeline loads inside the branch, so with little to
 skip it is the slower one) and *branch-free* (every tile's work issued, a skipped tile's P zeroed, the tile vote
 one ``bar.red`` on sm_90: a fixed cost over dense whatever the sparsity). A run after one that skipped few of its
-tiles is branch-free, else branching (:func:`skip_launch`, benchmarks/RESULTS.md).
+tiles is branch-free, else branching (:func:`skip_launch`, benchmarks/RESULTS.md). Even branch-free, the tile
+vote has a fixed cost over dense, which a head that skips few of its tiles does not earn back; so by default each
+head skips only where it pays: a sample of its query tiles (every :data:`SKIP_SAMPLE_EVERY`-th)
+attends first, skipping, in a launch of its own, and the head's other query tiles skip only if the sample skipped
+at least :data:`SKIP_PAYS_FROM` of its KV tiles, else they run the dense loop. The reference follows the rule
+(``SageSemantics.skip_sample``).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
 cuDNN SDPA dense including the 1.9 ms of quantization.
 
@@ -314,7 +319,8 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     total as a host int; else ``None``.
     Skipping (``skip_factor > 0``, λ_i = skip_factor / kv_len_i) decides per kernel tile, which is
     ``skip_tile``; ``launch`` overrides the tile shape and schedule (with skipping its tile must equal
-    ``skip_tile``).
+    ``skip_tile``). A skipping launch that samples (``AttentionLaunch.skip_sample_every``) is two kernel launches:
+    the sampled query tiles, then the others.
     """
     skips = skip_factor > 0.0
     if launch is None:
@@ -756,17 +762,16 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
     # Full KV tiles run unmasked; a partial last tile runs once more with masks.
     full_end = kv_len // BLOCK_N * BLOCK_N
     sample_counts = sample_counts_ptr + (seq * tl.num_programs(1) + head) * 2
+    dense = not SKIP
     if SKIP and SAMPLE_EVERY > 0 and not SAMPLE_PASS:
-        skips_pay = tl.load(sample_counts) * 100 >= PAYS_FROM_PERCENT * tl.load(sample_counts + 1)
-        log2_lambda = tl.where(skips_pay, log2_lambda, float("-inf"))  # nothing passes: dense
-    else:
-        skips_pay = True
-    if SKIP and not skips_pay:
+        dense = tl.load(sample_counts) * 100 < PAYS_FROM_PERCENT * tl.load(sample_counts + 1)
+        log2_lambda = tl.where(dense, float("-inf"), log2_lambda)  # the last, masked tile: nothing passes
+    if dense:
         m_i, l_i, acc, skipped = _attend_kv_tiles(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
             v_base, 0, full_end, kv_len, v_len, log2_lambda,
             QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, False, False, BARRIER_VOTE)
-    elif SKIP and BRANCH_FREE_PERCENT > 0:
+    elif BRANCH_FREE_PERCENT > 0:
         # Runs of tiles on one schedule (AttentionLaunch.skip_chunk): each run's skip rate sets the next run's
         # schedule, and a run that keeps it is twice as long, so that a steady program restarts Triton's software
         # pipeline (a stall for the first loads) only a few times.
@@ -791,11 +796,11 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
             run_tiles = tl.where(next_branch_free == branch_free, run_tiles * 2, SKIP_CHUNK)
             branch_free = next_branch_free
             start = end
-    else:  # dense, or every tile branching
+    else:  # every tile branching
         m_i, l_i, acc, skipped = _attend_kv_tiles(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
             v_base, 0, full_end, kv_len, v_len, log2_lambda,
-            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, SKIP, False, BARRIER_VOTE)
+            QK_INT8, FP8_QK_CHUNK, HEAD_DIM, BLOCK_N, True, False, BARRIER_VOTE)
     if full_end < kv_len:
         m_i, l_i, acc, skipped = _attend_kv_tile(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt,
