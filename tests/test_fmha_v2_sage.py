@@ -181,13 +181,16 @@ def test_semantics_by_gpu(monkeypatch):
     assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20)) == SageSemantics(
         "fp8_e4m3", 64, trtllm.FMHA_V2_DEFAULT_K_BLOCK, p_scale=256.0, kv_step=256, fp8_accumulator_bits=14,
         skip_tile=(64, 128))
-    # the Triton kernel: skip decisions per its dense launch's tile
-    assert trtllm.sage_semantics(fp8, "cuda", (10,), (20,)) == SageSemantics("fp8_e4m3", 1, 16, skip_tile=(64, 128))
-    assert trtllm.sage_semantics(AttnQuantSpec("int8"), "cuda") == SageSemantics("int8", 1, 16, skip_tile=(64, 128))
+    # the Triton kernel: skip decisions per its dense launch's tile, in the heads where its sample finds they pay
+    triton = dict(skip_tile=(64, 128), skip_sample=(32, 0.25))
+    assert trtllm.sage_semantics(fp8, "cuda", (10,), (20,)) == SageSemantics("fp8_e4m3", 1, 16, **triton)
+    assert trtllm.sage_semantics(AttnQuantSpec("int8"), "cuda") == SageSemantics("int8", 1, 16, **triton)
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_100")
-    assert trtllm.sage_semantics(fp8, "cuda").batch_stats and trtllm.sage_semantics(fp8, "cuda").skip_tile is None
+    blackwell = trtllm.sage_semantics(fp8, "cuda")
+    assert blackwell.batch_stats and blackwell.skip_tile is None and blackwell.skip_sample is None
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: None)
-    assert trtllm.sage_semantics(AttnQuantSpec("fp8_e4m3", 4, 4), "cpu") == SageSemantics("fp8_e4m3", 4, 4)
+    assert trtllm.sage_semantics(AttnQuantSpec("fp8_e4m3", 4, 4), "cpu") == SageSemantics("fp8_e4m3", 4, 4,
+                                                                                          skip_sample=(32, 0.25))
 
 
 # ---------------------------------------------------------------- CPU: the quantizer under Triton's interpreter

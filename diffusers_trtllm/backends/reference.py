@@ -114,18 +114,19 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     if causal:
         raise ValueError("sampled Skip-Softmax (SageSemantics.skip_sample) is defined for non-causal attention only")
     every, pays_from = sample
-    row_tiles = torch.arange(q.shape[0], device=q.device) // tile[0]
-    sampled = row_tiles % every == 0
-    parts = [q[sampled], k, v, scale, causal]
+    rows = {True: [], False: []}  # sampled or not, from the shape alone: no read from the device
+    for row in range(q.shape[0]):
+        rows[row // tile[0] % every == 0].append(row)
+    sampled, others = (torch.tensor(rows[flag], dtype=torch.long, device=q.device) for flag in (True, False))
+    parts = [q.index_select(0, sampled), k, v, scale, causal]
     out_s, skipped_s, tiles_s = _tiled_attention(*parts, skip_lambda, quant, tile, kv_step, query_chunk, k_mean,
                                                  v_scale)
     # the kernel's integer test: skipped · 100 >= percent · visited, per head
     pays = skipped_s * 100 >= round(pays_from * 100) * tiles_s
-    parts[0] = q[~sampled]
+    parts[0] = q.index_select(0, others)
     out_o, skipped_o, tiles_o = _tiled_attention(*parts, torch.where(pays, skip_lambda, 0.0), quant, tile, kv_step,
                                                  query_chunk, k_mean, v_scale)
-    out = torch.empty_like(q)
-    out[sampled], out[~sampled] = out_s, out_o
+    out = torch.empty_like(q).index_copy_(0, sampled, out_s).index_copy_(0, others, out_o)
     return out, (skipped_s + skipped_o).sum(), (tiles_s + tiles_o) * q.shape[1]
 
 
@@ -162,7 +163,7 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, S, D]
     out = torch.empty(hq, sq, d, dtype=compute, device=q.device)
     skipped = tiles = 0
-    skipping = bool(torch.as_tensor(skip_lambda).gt(0.0).any())
+    skipping = torch.is_tensor(skip_lambda) or skip_lambda > 0.0  # per-head λ: some heads may skip
     lam = torch.as_tensor(skip_lambda, dtype=compute, device=q.device).reshape(-1, 1, 1)
     for c0 in range(0, sq, chunk):
         rows = min(chunk, sq - c0)

@@ -34,7 +34,9 @@ Declared constraints (:func:`unavailable_reason` returns the first that fails, a
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
 ``tile=(128, 128)`` predicts them), per 64 × 128 by the FMHAv2 SAGE kernel (both halves of a 256-key step against
 the running max at the step's start) and by the Triton SAGE kernel (:data:`TRITON_SKIP_TILE_SM90`); the SAGE
-kernels' tiles are part of their semantics (``SageSemantics.skip_tile``), which the reference follows. An explicit
+kernels' tiles are part of their semantics (``SageSemantics.skip_tile``), which the reference follows, as it follows
+the Triton kernel's rule of skipping only in the heads where its sampled query tiles found skipping to pay
+(``SageSemantics.skip_sample``). An explicit
 ``threshold`` is λ itself: every sequence of a ragged batch gets the factor λ·max_kv_len, hence
 λ_i = λ·max_kv_len / kv_len_i (the kernels take one factor per call); the reference does exactly that.
 """
