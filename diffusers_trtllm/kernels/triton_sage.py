@@ -335,7 +335,8 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     skipped = torch.zeros((), dtype=torch.int32, device=q.device)
     query_tiles = -(-max(seqlens_q) // launch.block_m)
     sample_every = launch.skip_sample_every if skips else 0
-    # per (sequence, head): KV tiles the sampled query tiles skipped, and all they visited
+    # per (sequence, head): KV tiles the sampled query tiles skipped, and all they visited (without sampling the
+    # kernel never reads it: any int32 tensor will do)
     sample_counts = torch.zeros(batch, heads_q, 2, dtype=torch.int32, device=q.device) if sample_every else skipped
     args = (
         quantized.q, quantized.k, quantized.v_t, quantized.q_scale, quantized.k_scale, quantized.v_scale,
