@@ -17,9 +17,10 @@ from typing import Callable, Mapping
 import torch
 
 from .backends import select_backend
+from .backends.trtllm import sage_semantics
 from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV
 from .calibration.curve import SkipCalibration
-from .config import AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
+from .config import TORCH_REFERENCE, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
 from .errors import AttentionConfigError, BackendUnavailableError
 from .ops import encode_quant
 
@@ -165,6 +166,8 @@ class CallPlanner:
         for why, roles in dropped.items():
             self.warn_once(f"dropped-{why}", f"diffusers_trtllm: auto runs {sorted(set(roles))} attention dense: "
                                              f"{why}")
+        for note in self._sampled_skipping_notes(calls.values(), device):
+            self.warn_once("sampled-skipping", note)
         self._allocate_counts(device)
         self.plan_step(self.timestep)
 
@@ -208,6 +211,23 @@ class CallPlanner:
                 f"[{observed[0]:.2f}, {observed[1]:.2f}] observed when {site.component!r} was calibrated; its "
                 "factor is extrapolated"))
         return calibration
+
+    @staticmethod
+    def _sampled_skipping_notes(calls, device: torch.device) -> list[str]:
+        """Which roles skip only in the heads where skipping pays (the Triton SAGE kernel's rule, which the
+        reference follows on a CPU): with little to skip, those heads run dense instead of skipping."""
+        sampled = {}
+        for call in calls:
+            if call.skip is None or call.quant is None or call.backend not in (TRTLLM_ATTN, TORCH_REFERENCE):
+                continue
+            rule = sage_semantics(call.quant, device).skip_sample
+            if rule is not None:
+                sampled.setdefault(rule, []).append(call.site.role)
+        return [f"diffusers_trtllm: {sorted(set(roles))} attention runs SAGE + Skip-Softmax on the Triton kernel's "
+                f"rule: a head skips only if a sample of its query tiles (one in {every}) skipped at least "
+                f"{pays_from:.0%} of their KV tiles; other heads attend dense, where skipping would cost more time "
+                "than it saves. handle.stats reports the tiles actually skipped"
+                for (every, pays_from), roles in sampled.items()]
 
     def _allocate_counts(self, device: torch.device) -> None:
         for call in self.calls.values():

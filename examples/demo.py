@@ -129,6 +129,10 @@ def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, 
         f"- sparsity per step: the same per denoising step; steps with t = timestep/1000 > D = {gate:g} run "
         "dense (0)",
     ]
+    if not on_gpu:
+        lines.append("- SAGE + skip on a CPU follows the Triton SAGE kernel's rule (a head skips only where a sample "
+                     "of its query tiles skips at least a quarter of the KV tiles, else attends dense), so with "
+                     "little to skip it skips less than skip alone")
     if tiny:
         lines.append(f"- random weights give nearly uniform attention, so λ = {threshold:g} finds few KV tiles "
                      "whose contribution is negligible (the tiny model is made slightly local so that some are); "

@@ -46,6 +46,24 @@ def test_auto_on_cpu_runs_sdpa_and_warns_once_visibly(spec, dropped):
     assert {call.backend for call in handle.planner.calls.values()} == {"TORCH_SDPA"}  # never TORCH_REFERENCE
 
 
+def test_sage_skipping_on_the_triton_rule_says_once_that_heads_skip_only_where_it_pays():
+    model = tiny_wan()
+    spec = {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.1}, "quant": {"dtype_qk": "int8"}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        handle = enable_trtllm_attention(model, {"default": spec})
+        with torch.no_grad():
+            model(**tiny_call_inputs())
+        handle.planner.choose_backends(torch.device("cpu"), torch.float32)  # a move re-plans: still said once
+    ours = [str(w.message) for w in caught if "diffusers_trtllm" in str(w.message)]
+    assert len(ours) == 1 and "['cross_attn', 'self_attn']" in ours[0] and "one in 32" in ours[0], ours
+    handle.restore()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # SAGE without skipping, or skipping without SAGE: nothing to say
+        for other in ({"skip_softmax": {"threshold": 0.1}}, {"quant": {"dtype_qk": "int8"}}):
+            enable_trtllm_attention(tiny_wan(), {"default": {"backend": "TORCH_REFERENCE", **other}}).restore()
+
+
 @pytest.mark.parametrize("config, match", [
     ({"per_role": {"blocks.0.*": {"backend": "TORCH_SDPA"}}}, r"per_role keys \['blocks.0.\*'\] name layers"),
     ({"per_role": {"blocks.1.attn1": {"backend": "TORCH_SDPA"}}}, r"per_role keys \['blocks.1.attn1'\] name layers"),
