@@ -78,6 +78,19 @@ def time_ms(fn) -> float:
     return start.elapsed_time(end)
 
 
+def alternating_times(runs: dict, rounds: int) -> dict:
+    """Each of ``runs`` (name -> function) timed once per round after two warm-up calls, the order reversed every
+    other round: clock and thermal drift hit all alike, and none always runs right after another (a kernel timed
+    right after cuDNN ran 1.5-2 % slower on an H200). Returns name -> the rounds' times in ms."""
+    for fn in runs.values():
+        fn(), fn()
+    times = {name: [] for name in runs}
+    for round_ in range(rounds):
+        for name in list(runs)[::-1 if round_ % 2 else 1]:
+            times[name].append(time_ms(runs[name]))
+    return times
+
+
 def tflops(seq: int, heads: int, ms: float) -> float:
     return 4 * seq * seq * 128 * heads / ms / 1e9
 
@@ -331,13 +344,8 @@ def paired_ratio(tokens: int, heads: int, rounds: int = 16) -> None:
     after cuDNN ran 1.5-2 % slower on an H200): the median and range of the per-round ratio."""
     q, k, v = random_qkv(tokens, heads)
     kernel = fmha_v2_sage.SageKernel(0, 256, False)
-    runs = {"cuDNN SDPA": lambda: sdpa(q, k, v), "FMHAv2 SAGE fp8": lambda: fmha_sage(q, k, v, (tokens,), kernel)}
-    for fn in runs.values():
-        fn(), fn()
-    times = {name: [] for name in runs}
-    for round_ in range(rounds):
-        for name in list(runs)[::-1 if round_ % 2 else 1]:
-            times[name].append(time_ms(runs[name]))
+    times = alternating_times({"cuDNN SDPA": lambda: sdpa(q, k, v),
+                               "FMHAv2 SAGE fp8": lambda: fmha_sage(q, k, v, (tokens,), kernel)}, rounds)
     ratios = sorted(c / s for c, s in zip(times["cuDNN SDPA"], times["FMHAv2 SAGE fp8"]))
     log("ratio", rounds=rounds, median_ms={n: sorted(t)[rounds // 2] for n, t in times.items()},
         ratio_median=ratios[rounds // 2], ratio_min=ratios[0], ratio_max=ratios[-1])

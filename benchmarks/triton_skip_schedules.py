@@ -9,7 +9,8 @@ what the kernel runs by default: alternating by ``triton_sage.BRANCH_FREE_BELOW`
 whose sampled query tiles skipped at least ``triton_sage.SKIP_PAYS_FROM`` of their tiles (the others dense). Data:
 random N(0, 1) (nothing to skip) and ``published_curve`` data at the published Wan 2.2 curve's s
 (benchmarks/data.py). Every every-tile schedule's output and skip count are checked bit-identical to
-``branching``'s; ``skip_launch``'s achieved sparsity and its difference to ``branching`` and to dense are reported.
+``branching``'s; ``skip_launch``'s achieved sparsity and its difference to ``branching`` and to dense are reported, and its ratio to
+dense once more from back-to-back timings in alternating order.
 The last lines give each schedule's worst ratio to dense over the data.
 
     python benchmarks/triton_skip_schedules.py                       # writes $OUT/triton_skip_schedules.json
@@ -31,11 +32,19 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.data import published_curve_qkv, random_qkv, skip_factor  # noqa: E402
-from benchmarks.hopper_sage import SCALE, bench_ms, cu, rel_err  # noqa: E402
+from benchmarks.hopper_sage import SCALE, alternating_times, bench_ms, cu, rel_err  # noqa: E402
 from diffusers_trtllm.kernels import triton_sage  # noqa: E402
 
 TILE = (64, 128)
 RANDOM_DATA_S = 0.3  # the factor used on random data, where nothing is skipped at any published s
+ROUNDS = 10
+
+
+def paired_ratio(baseline, candidate, rounds: int = ROUNDS) -> float:
+    """The median over ``rounds`` of ``baseline``'s time / ``candidate``'s, timed back to back in alternating order
+    (a ratio that drift between two separate medians does not move)."""
+    times = alternating_times({"baseline": baseline, "candidate": candidate}, rounds)
+    return sorted(b / c for b, c in zip(times["baseline"], times["candidate"]))[rounds // 2]
 
 
 def schedules(thresholds: list[float]) -> dict[str, triton_sage.AttentionLaunch]:
@@ -109,6 +118,8 @@ def main() -> None:
                     row[f"{name} identical"] = bool(torch.equal(out, reference[0])) and int(skipped) == reference[1]
                 row[f"{name} ms"] = bench_ms(lambda: run(launch, factor))
                 row[f"{name} x dense"] = row["dense_ms"] / row[f"{name} ms"]
+            row["skip_launch x dense, paired"] = paired_ratio(lambda: run(triton_sage.DENSE_LAUNCH, 0.0),
+                                                             lambda: run(schedules(thresholds)["skip_launch"], factor))
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
             with open(out_path, "w") as f:
@@ -117,6 +128,7 @@ def main() -> None:
     for dtype in dtypes:
         rows = [row for row in results["rows"] if row["dtype"] == dtype]
         worst = {name: min(row[f"{name} x dense"] for row in rows) for name in schedules(thresholds)}
+        worst["skip_launch, paired"] = min(row["skip_launch x dense, paired"] for row in rows)
         print(f"{dtype}: worst x dense " + ", ".join(f"{name} {value:.3f}" for name, value in worst.items()))
 
 

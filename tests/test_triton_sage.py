@@ -403,6 +403,25 @@ def test_gpu_skipping_only_where_it_pays(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_heads_that_do_not_pay_run_the_dense_launchs_binary():
+    """A sampling launch compiles its sample pass and its skipping pass; its dense programs reuse the dense
+    launch's kernel (compiled apart, the same loop ran measurably faster or slower)."""
+    qkv = _offset_qkv((4096,), (2, 20), 128, device="cuda")  # one head pays, one does not
+    quantized = _quantize(qkv, AttnQuantSpec("int8", 1, 16))
+    compiled = triton_sage._sage_attention_kernel.device_caches[torch.cuda.current_device()][0]
+    # a setting no other test launches with, so that every binary here is compiled here
+    dense_launch = dataclasses.replace(triton_sage.DENSE_LAUNCH, fp8_qk_chunk=64)
+    sampling = dataclasses.replace(triton_sage.skip_launch((64, 128)), fp8_qk_chunk=64)
+    counts = [len(compiled)]
+    for launch, factor in ((dense_launch, 0.0), (sampling, 0.01 * 4096)):
+        triton_sage.sage_attention_quantized(quantized, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q,
+                                             qkv.seqlens_kv, 128 ** -0.5, skip_factor=factor, skip_tile=(64, 128),
+                                             launch=launch)
+        counts.append(len(compiled))
+    assert [after - before for before, after in zip(counts, counts[1:])] == [1, 2]
+
+
+@pytest.mark.gpu
 def test_gpu_hopper_int8_skip_through_the_backend_decides_per_its_own_tile_like_the_reference():
     """TRTLLM_ATTN's int8 SAGE with Skip-Softmax on Hopper runs this kernel with 64 × 128 decisions (its fastest
     tile) whatever the plan's tile; the reference backend, following the same semantics, skips the same tiles."""

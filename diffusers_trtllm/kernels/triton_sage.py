@@ -35,7 +35,8 @@ tiles is branch-free, else branching (:func:`skip_launch`, benchmarks/RESULTS.md
 vote has a fixed cost over dense, which a head that skips few of its tiles does not earn back; so by default each
 head skips only where it pays: a sample of its query tiles (every :data:`SKIP_SAMPLE_EVERY`-th)
 attends first, skipping, in a launch of its own, and the head's other query tiles skip only if the sample skipped
-at least :data:`SKIP_PAYS_FROM` of its KV tiles, else they run the dense loop. The reference follows the rule
+at least :data:`SKIP_PAYS_FROM` of its KV tiles, else they run the dense launch's code (a launch of the dense
+kernel whose programs of paying heads return at once). The reference follows the rule
 (``SageSemantics.skip_sample``).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
 cuDNN SDPA dense including the 1.9 ms of quantization.
@@ -75,6 +76,8 @@ ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 to the n
 LOG2E = 1.4426950408889634
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
+_jit_not_specializing = ((lambda *names: triton.jit(do_not_specialize=names)) if triton is not None
+                         else (lambda *names: lambda fn: fn))
 _constexpr = tl.constexpr if tl is not None else (lambda value: value)
 # Kernels may read only constexpr globals.
 _V_TOKEN_ALIGN = _constexpr(V_TOKEN_ALIGN)
@@ -110,7 +113,8 @@ class AttentionLaunch:
     branch_free_below: float = 0.0
     # Skipping only where it pays: every ``skip_sample_every``-th query tile of each (sequence, head) attends first,
     # in a launch of its own, with skipping; the head's other query tiles skip only if those skipped at least
-    # ``skip_pays_from`` of their KV tiles, and otherwise attend dense (no vote: dense speed). 0 skips everywhere.
+    # ``skip_pays_from`` of their KV tiles, and otherwise attend on the dense kernel (no vote: dense speed, dense
+    # results). 0 skips everywhere.
     skip_sample_every: int = 0
     skip_pays_from: float = 0.0
 
@@ -319,8 +323,9 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     total as a host int; else ``None``.
     Skipping (``skip_factor > 0``, λ_i = skip_factor / kv_len_i) decides per kernel tile, which is
     ``skip_tile``; ``launch`` overrides the tile shape and schedule (with skipping its tile must equal
-    ``skip_tile``). A skipping launch that samples (``AttentionLaunch.skip_sample_every``) is two kernel launches:
-    the sampled query tiles, then the others.
+    ``skip_tile``). A skipping launch that samples (``AttentionLaunch.skip_sample_every``) is three kernel
+    launches: the sampled query tiles, then the others of the heads where skipping pays, then (on the dense
+    kernel) the others of the heads where it does not.
     """
     skips = skip_factor > 0.0
     if launch is None:
@@ -331,7 +336,6 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     q = quantized.q
     batch, heads_q, heads_kv = len(seqlens_q), q.shape[1], quantized.k.shape[1]
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    count = count_skips and skips
     skipped = torch.zeros((), dtype=torch.int32, device=q.device)
     query_tiles = -(-max(seqlens_q) // launch.block_m)
     sample_every = launch.skip_sample_every if skips else 0
@@ -345,18 +349,25 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
         quantized.v_t.stride(0), quantized.v_t.stride(1), out.stride(0), out.stride(1),
         quantized.q_scale.stride(0), quantized.k_scale.stride(0),
         quantized.q_block.bit_length() - 1, quantized.k_block.bit_length() - 1,
-        scale * LOG2E, skip_factor, heads_q // heads_kv, heads_kv)
+        scale * LOG2E, skip_factor, heads_q // heads_kv, heads_kv, sample_every, round(launch.skip_pays_from * 100))
     constants = dict(
         QK_INT8=quantized.q.dtype == torch.int8,
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
-        SKIP=skips, COUNT_SKIPS=count, SKIP_CHUNK=launch.skip_chunk,
-        BRANCH_FREE_PERCENT=round(launch.branch_free_below * 100), SAMPLE_EVERY=sample_every,
-        PAYS_FROM_PERCENT=round(launch.skip_pays_from * 100), BARRIER_VOTE=_barrier_vote(launch, q.device),
-        num_warps=launch.num_warps, num_stages=launch.num_stages)
+        BARRIER_VOTE=_barrier_vote(launch, q.device), num_warps=launch.num_warps, num_stages=launch.num_stages)
+    # Dense programs leave the skip schedule out of the compiled kernel's key: a dense launch and the heads of a
+    # skipping launch that do not pay run one binary. (Compiled separately, the same loop ran up to 2 % faster or
+    # slower, by how Triton laid out the kernel: benchmarks/RESULTS.md.)
+    dense = dict(SKIP=False, COUNT_SKIPS=False, SKIP_CHUNK=0, BRANCH_FREE_PERCENT=0, SAMPLE_PASS=False)
+    skipping = dict(SKIP=True, COUNT_SKIPS=count_skips, SKIP_CHUNK=launch.skip_chunk,
+                    BRANCH_FREE_PERCENT=round(launch.branch_free_below * 100), SAMPLE_PASS=False)
+    grid = (query_tiles, heads_q, batch)
     if sample_every:  # the sampled query tiles first: the other tiles read what they skipped
-        _sage_attention_kernel[(-(-query_tiles // sample_every), heads_q, batch)](*args, SAMPLE_PASS=True,
-                                                                                 **constants)
-    _sage_attention_kernel[(query_tiles, heads_q, batch)](*args, SAMPLE_PASS=False, **constants)
+        _sage_attention_kernel[(-(-query_tiles // sample_every), heads_q, batch)](
+            *args, **constants, **{**skipping, "SAMPLE_PASS": True})
+    if sample_every or not skips:
+        _sage_attention_kernel[grid](*args, **constants, **dense)
+    if skips:
+        _sage_attention_kernel[grid](*args, **constants, **skipping)
     if not count_skips:
         return out, None, None
     tq, tk = skip_tile  # the reference's count, also when a dense launch used another tile
@@ -701,33 +712,38 @@ def _all_rows_by_barrier(negligible):
         "=r,=r,r,r", [negligible.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=2) != 0
 
 
-@_jit
+# the sampling settings are plain arguments, so that a dense launch and a sampling launch's dense programs share
+# one binary
+@_jit_not_specializing("sample_every", "pays_from_percent")
 def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, skipped_ptr,
                            sample_counts_ptr, cu_q_ptr, cu_kv_ptr,
                            stride_qt, stride_qh, stride_kt, stride_kh, v_t_head_stride, v_t_dim_stride,
                            stride_ot, stride_oh, q_scale_stride, k_scale_stride,
                            q_block_shift, k_block_shift, score_scale, skip_factor, group_size, heads_kv,
+                           sample_every, pays_from_percent,
                            QK_INT8: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            FP8_QK_CHUNK: tl.constexpr, SKIP: tl.constexpr, COUNT_SKIPS: tl.constexpr,
-                           SKIP_CHUNK: tl.constexpr, BRANCH_FREE_PERCENT: tl.constexpr,
-                           SAMPLE_EVERY: tl.constexpr, PAYS_FROM_PERCENT: tl.constexpr, SAMPLE_PASS: tl.constexpr,
+                           SKIP_CHUNK: tl.constexpr, BRANCH_FREE_PERCENT: tl.constexpr, SAMPLE_PASS: tl.constexpr,
                            BARRIER_VOTE: tl.constexpr):
     """One program: BLOCK_M query rows of one head of one sequence against all of that sequence's keys.
 
     Scores live in the log2 domain (``score_scale`` = softmax scale · log2 e), so the skip test
     ``exp(tile_max - m) < λ`` becomes ``tile_max₂ - m₂ < log2 λ``.
 
-    ``SAMPLE_EVERY`` > 0 (AttentionLaunch.skip_sample_every): the ``SAMPLE_PASS`` launch attends every
-    SAMPLE_EVERY-th query tile, skipping, and adds its skipped and visited KV tiles to ``sample_counts`` ``[B, H,
-    2]``; the second launch attends the other query tiles, skipping in the (sequence, head)s whose sample skipped at
-    least PAYS_FROM_PERCENT % of its tiles and dense in the others.
+    ``sample_every`` > 0 (AttentionLaunch.skip_sample_every): the ``SAMPLE_PASS`` launch attends every
+    sample_every-th query tile, skipping, and adds its skipped and visited KV tiles to ``sample_counts`` ``[B, H,
+    2]``. Then the other query tiles: with ``SKIP``, of the (sequence, head)s whose sample skipped at least
+    pays_from_percent % of its tiles; without, of the others.
     """
     tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if SAMPLE_EVERY > 0:
+    sample_counts = sample_counts_ptr + (seq * tl.num_programs(1) + head) * 2
+    if sample_every > 0:
         if SAMPLE_PASS:
-            tile = tile * SAMPLE_EVERY
-        elif tile % SAMPLE_EVERY == 0:
+            tile = tile * sample_every
+        elif tile % sample_every == 0:
+            return
+        elif (tl.load(sample_counts) * 100 >= pays_from_percent * tl.load(sample_counts + 1)) != SKIP:
             return
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -762,12 +778,7 @@ def _sage_attention_kernel(q_ptr, k_ptr, v_t_ptr, q_scale_ptr, k_scale_ptr, v_sc
     row_invalid = ~row_valid
     # Full KV tiles run unmasked; a partial last tile runs once more with masks.
     full_end = kv_len // BLOCK_N * BLOCK_N
-    sample_counts = sample_counts_ptr + (seq * tl.num_programs(1) + head) * 2
-    dense = not SKIP
-    if SKIP and SAMPLE_EVERY > 0 and not SAMPLE_PASS:
-        dense = tl.load(sample_counts) * 100 < PAYS_FROM_PERCENT * tl.load(sample_counts + 1)
-        log2_lambda = tl.where(dense, float("-inf"), log2_lambda)  # the last, masked tile: nothing passes
-    if dense:
+    if not SKIP:
         m_i, l_i, acc, skipped = _attend_kv_tiles(
             q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
             v_base, 0, full_end, kv_len, v_len, log2_lambda,
