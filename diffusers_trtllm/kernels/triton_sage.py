@@ -324,8 +324,8 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     Skipping (``skip_factor > 0``, λ_i = skip_factor / kv_len_i) decides per kernel tile, which is
     ``skip_tile``; ``launch`` overrides the tile shape and schedule (with skipping its tile must equal
     ``skip_tile``). A skipping launch that samples (``AttentionLaunch.skip_sample_every``) is three kernel
-    launches: the sampled query tiles, then the others of the heads where skipping pays, then (on the dense
-    kernel) the others of the heads where it does not.
+    launches: the sampled query tiles, then (on the dense kernel) the others of the heads where skipping does not
+    pay, then those of the heads where it pays.
     """
     skips = skip_factor > 0.0
     if launch is None:
@@ -355,7 +355,7 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
         BARRIER_VOTE=_barrier_vote(launch, q.device), num_warps=launch.num_warps, num_stages=launch.num_stages)
     # Dense programs leave the skip schedule out of the compiled kernel's key: a dense launch and the heads of a
-    # skipping launch that do not pay run one binary. (Compiled separately, the same loop ran up to 2 % faster or
+    # skipping launch of the same tile that do not pay run one binary. (Compiled separately, the same loop ran up to 2 % faster or
     # slower, by how Triton laid out the kernel: benchmarks/RESULTS.md.)
     dense = dict(SKIP=False, COUNT_SKIPS=False, SKIP_CHUNK=0, BRANCH_FREE_PERCENT=0, SAMPLE_PASS=False)
     skipping = dict(SKIP=True, COUNT_SKIPS=count_skips, SKIP_CHUNK=launch.skip_chunk,
