@@ -9,8 +9,8 @@ what the kernel runs by default: alternating by ``triton_sage.BRANCH_FREE_BELOW`
 whose sampled query tiles skipped at least ``triton_sage.SKIP_PAYS_FROM`` of their tiles (the others dense). Data:
 random N(0, 1) (nothing to skip) and ``published_curve`` data at the published Wan 2.2 curve's s
 (benchmarks/data.py). Every every-tile schedule's output and skip count are checked bit-identical to
-``branching``'s; ``skip_launch``'s achieved sparsity and its difference to ``branching`` and to dense are reported, and its ratio to
-dense once more from back-to-back timings in alternating order.
+``branching``'s; ``skip_launch``'s achieved sparsity and its difference to ``branching`` and to dense are reported,
+and its ratio to dense once more from back-to-back timings in alternating order.
 The last lines give each schedule's worst ratio to dense over the data.
 
     python benchmarks/triton_skip_schedules.py                       # writes $OUT/triton_skip_schedules.json
@@ -119,7 +119,7 @@ def main() -> None:
                 row[f"{name} ms"] = bench_ms(lambda: run(launch, factor))
                 row[f"{name} x dense"] = row["dense_ms"] / row[f"{name} ms"]
             row["skip_launch x dense, paired"] = paired_ratio(lambda: run(triton_sage.DENSE_LAUNCH, 0.0),
-                                                             lambda: run(schedules(thresholds)["skip_launch"], factor))
+                                                             lambda: run(triton_sage.skip_launch(TILE), factor))
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
             with open(out_path, "w") as f:

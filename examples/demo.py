@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
-from diffusers_trtllm.backends.trtllm import device_unavailable_reason
+from diffusers_trtllm.backends.trtllm import TRITON_SKIP_SAMPLE, device_unavailable_reason
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN
 from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_model,
                         open_gate)
@@ -130,9 +130,10 @@ def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, 
         "dense (0)",
     ]
     if not on_gpu:
-        lines.append("- SAGE + skip on a CPU follows the Triton SAGE kernel's rule (a head skips only where a sample "
-                     "of its query tiles skips at least a quarter of the KV tiles, else attends dense), so with "
-                     "little to skip it skips less than skip alone")
+        every, pays_from = TRITON_SKIP_SAMPLE
+        lines.append(f"- SAGE + skip on a CPU follows the Triton SAGE kernel's rule (a head skips only where a "
+                     f"sample of its query tiles, one in {every}, skips at least {pays_from:.0%} of the KV tiles, "
+                     "else attends dense), so with little to skip it skips less than skip alone")
     if tiny:
         lines.append(f"- random weights give nearly uniform attention, so λ = {threshold:g} finds few KV tiles "
                      "whose contribution is negligible (the tiny model is made slightly local so that some are); "

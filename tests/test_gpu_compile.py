@@ -64,5 +64,6 @@ def test_trtllm_configs_compile_match_eager_and_never_sync(name):
             modes = {mode for step in handle.stats.modes().values() for mode in step}
     assert rel_err(compiled, eager) < 1e-2 and torch.equal(again, compiled)
     expected = "TRTLLM_ATTN:" + {"dense": "dense", "skip": "skip", "sage-int8": "sage-int8", "sage-fp8": "sage-fp8_e4m3",
-                                 "sage-fp8+skip": "sage-fp8_e4m3+skip", "sage-int8+skip": "sage-int8+skip"}[name]
+                                 "sage-fp8+skip": "sage-fp8_e4m3+skip",
+                                 "sage-int8+skip": "sage-int8+skip"}[name]
     assert expected in modes, modes

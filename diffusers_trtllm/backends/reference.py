@@ -114,7 +114,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     if causal:
         raise ValueError("sampled Skip-Softmax (SageSemantics.skip_sample) is defined for non-causal attention only")
     every, pays_from = sample
-    rows = {True: [], False: []}  # sampled or not, from the shape alone: no read from the device
+    # sampled or not, from the shape alone (a mask's nonzero() would be a data-dependent read: tests/test_host_sync.py)
+    rows = {True: [], False: []}
     for row in range(q.shape[0]):
         rows[row // tile[0] % every == 0].append(row)
     sampled, others = (torch.tensor(rows[flag], dtype=torch.long, device=q.device) for flag in (True, False))

@@ -355,8 +355,8 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
         BARRIER_VOTE=_barrier_vote(launch, q.device), num_warps=launch.num_warps, num_stages=launch.num_stages)
     # Dense programs leave the skip schedule out of the compiled kernel's key: a dense launch and the heads of a
-    # skipping launch of the same tile that do not pay run one binary. (Compiled separately, the same loop ran up to 2 % faster or
-    # slower, by how Triton laid out the kernel: benchmarks/RESULTS.md.)
+    # skipping launch of the same tile that do not pay run one binary. (Compiled separately, the same loop ran up
+    # to 2 % faster or slower, by how Triton laid out the kernel: benchmarks/RESULTS.md.)
     dense = dict(SKIP=False, COUNT_SKIPS=False, SKIP_CHUNK=0, BRANCH_FREE_PERCENT=0, SAMPLE_PASS=False)
     skipping = dict(SKIP=True, COUNT_SKIPS=count_skips, SKIP_CHUNK=launch.skip_chunk,
                     BRANCH_FREE_PERCENT=round(launch.branch_free_below * 100), SAMPLE_PASS=False)
