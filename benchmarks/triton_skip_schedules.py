@@ -6,7 +6,8 @@ skipped tile's exps, V load and P·V not run; Triton does not pipeline the loads
 ``branch-free`` (every tile's work issued, a skipped tile's P zeroed; loads pipelined), ``alternating t`` (runs of
 tiles on either: branch-free after a run that skipped fewer than a fraction t of its tiles); and ``skip_launch``,
 what the kernel runs by default: alternating by ``triton_sage.BRANCH_FREE_BELOW``, skipping only in the heads
-whose sampled query tiles skipped at least ``triton_sage.SKIP_PAYS_FROM`` of their tiles (the others dense). Data:
+whose sampled query tiles (``triton_sage.skip_sample_rule``) skipped at least ``triton_sage.SKIP_PAYS_FROM`` of
+their tiles (the others dense). Data:
 random N(0, 1) (nothing to skip) and ``published_curve`` data at the published Wan 2.2 curve's s
 (benchmarks/data.py). Every every-tile schedule's output and skip count are checked bit-identical to
 ``branching``'s; ``skip_launch``'s achieved sparsity and its difference to ``branching`` and to dense are reported,
@@ -47,9 +48,9 @@ def paired_ratio(baseline, candidate, rounds: int = ROUNDS) -> float:
     return sorted(b / c for b, c in zip(times["baseline"], times["candidate"]))[rounds // 2]
 
 
-def schedules(thresholds: list[float]) -> dict[str, triton_sage.AttentionLaunch]:
-    """Every query tile skipping on each schedule, then ``skip_launch`` (last)."""
-    shipped = triton_sage.skip_launch(TILE)
+def schedules(thresholds: list[float], sample: tuple[int, float]) -> dict[str, triton_sage.AttentionLaunch]:
+    """Every query tile skipping on each schedule, then ``skip_launch`` with ``sample`` (last)."""
+    shipped = triton_sage.skip_launch(TILE, sample)
     every_tile = dataclasses.replace(shipped, skip_sample_every=0)
     return {"branching": dataclasses.replace(every_tile, branch_free_below=0.0),
             "branch-free": dataclasses.replace(every_tile, branch_free_below=2.0),
@@ -99,10 +100,11 @@ def main() -> None:
                     count_skips=count, launch=launch)
 
             factor = skip_factor(s)
-            row = dict(dtype=dtype, data=data, s=s, factor=factor,
+            sample = triton_sage.skip_sample_rule(dtype, (tokens,), heads, TILE[0], "cuda")
+            row = dict(dtype=dtype, data=data, s=s, factor=factor, sample=sample,
                        dense_ms=bench_ms(lambda: run(triton_sage.DENSE_LAUNCH, 0.0)))
             reference = None
-            for name, launch in schedules(thresholds).items():
+            for name, launch in schedules(thresholds, sample).items():
                 out, skipped, total = run(launch, factor, count=True)
                 if reference is None:
                     reference = out, int(skipped)
@@ -118,8 +120,9 @@ def main() -> None:
                     row[f"{name} identical"] = bool(torch.equal(out, reference[0])) and int(skipped) == reference[1]
                 row[f"{name} ms"] = bench_ms(lambda: run(launch, factor))
                 row[f"{name} x dense"] = row["dense_ms"] / row[f"{name} ms"]
+            shipped = triton_sage.skip_launch(TILE, sample)
             row["skip_launch x dense, paired"] = paired_ratio(lambda: run(triton_sage.DENSE_LAUNCH, 0.0),
-                                                             lambda: run(triton_sage.skip_launch(TILE), factor))
+                                                             lambda: run(shipped, factor))
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
             with open(out_path, "w") as f:
@@ -127,7 +130,7 @@ def main() -> None:
             del quantized
     for dtype in dtypes:
         rows = [row for row in results["rows"] if row["dtype"] == dtype]
-        worst = {name: min(row[f"{name} x dense"] for row in rows) for name in schedules(thresholds)}
+        worst = {name: min(row[f"{name} x dense"] for row in rows) for name in schedules(thresholds, (2, 0.0))}
         worst["skip_launch, paired"] = min(row["skip_launch x dense, paired"] for row in rows)
         print(f"{dtype}: worst x dense " + ", ".join(f"{name} {value:.3f}" for name, value in worst.items()))
 

@@ -222,12 +222,12 @@ class CallPlanner:
                 continue
             rule = sage_semantics(call.quant, device).skip_sample
             if rule is not None:
-                sampled.setdefault(rule, []).append(call.site.role)
+                sampled.setdefault(rule[1], []).append(call.site.role)
         return [f"diffusers_trtllm: {sorted(set(roles))} attention runs SAGE + Skip-Softmax on the Triton kernel's "
-                f"rule: a head skips only if a sample of its query tiles (one in {every}) skipped at least "
-                f"{pays_from:.0%} of their KV tiles; other heads attend dense, where skipping would cost more time "
-                "than it saves. handle.stats reports the tiles actually skipped"
-                for (every, pays_from), roles in sampled.items()]
+                f"rule: a head skips only if a sample of its query tiles (about two waves of the GPU's programs) "
+                f"skipped at least {pays_from:.0%} of their KV tiles; other heads attend dense, where skipping would "
+                "cost more time than it saves. handle.stats reports the tiles actually skipped"
+                for pays_from, roles in sampled.items()]
 
     def _allocate_counts(self, device: torch.device) -> None:
         for call in self.calls.values():

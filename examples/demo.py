@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
-from diffusers_trtllm.backends.trtllm import TRITON_SKIP_SAMPLE, device_unavailable_reason
+from diffusers_trtllm.backends.trtllm import device_unavailable_reason
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN
+from diffusers_trtllm.kernels.triton_sage import SKIP_PAYS_FROM
 from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_model,
                         open_gate)
 from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
@@ -130,10 +131,10 @@ def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, 
         "dense (0)",
     ]
     if not on_gpu:
-        every, pays_from = TRITON_SKIP_SAMPLE
+        pays_from = SKIP_PAYS_FROM["fp8_e4m3"]
         lines.append(f"- SAGE + skip on a CPU follows the Triton SAGE kernel's rule (a head skips only where a "
-                     f"sample of its query tiles, one in {every}, skips at least {pays_from:.0%} of the KV tiles, "
-                     "else attends dense), so with little to skip it skips less than skip alone")
+                     f"sample of its query tiles skips at least {pays_from:.0%} of the KV tiles, else attends "
+                     "dense), so with little to skip it skips less than skip alone")
     if tiny:
         lines.append(f"- random weights give nearly uniform attention, so λ = {threshold:g} finds few KV tiles "
                      "whose contribution is negligible (the tiny model is made slightly local so that some are); "

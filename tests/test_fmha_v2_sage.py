@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from operator import itemgetter
+from types import SimpleNamespace
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -181,16 +182,21 @@ def test_semantics_by_gpu(monkeypatch):
     assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20)) == SageSemantics(
         "fp8_e4m3", 64, trtllm.FMHA_V2_DEFAULT_K_BLOCK, p_scale=256.0, kv_step=256, fp8_accumulator_bits=14,
         skip_tile=(64, 128))
-    # the Triton kernel: skip decisions per its dense launch's tile, in the heads where its sample finds they pay
-    triton = dict(skip_tile=(64, 128), skip_sample=(32, 0.25))
-    assert trtllm.sage_semantics(fp8, "cuda", (10,), (20,)) == SageSemantics("fp8_e4m3", 1, 16, **triton)
-    assert trtllm.sage_semantics(AttnQuantSpec("int8"), "cuda") == SageSemantics("int8", 1, 16, **triton)
+    # the Triton kernel: skip decisions per its dense launch's tile, in the heads where its sample finds they pay;
+    # the sample: every other query tile of a short sequence, and at Wan's shape (75,600 tokens, 40 heads, 1,182
+    # tiles of 64 rows) 13 tiles per head, 520 programs, two waves of an H200's 132 SMs × 2
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    assert trtllm.sage_semantics(fp8, "cuda", (10,), (20,)) == SageSemantics(
+        "fp8_e4m3", 1, 16, skip_tile=(64, 128), skip_sample=(2, 0.25))
+    assert trtllm.sage_semantics(AttnQuantSpec("int8"), "cuda", (75600,), (75600,), heads=40) == SageSemantics(
+        "int8", 1, 16, skip_tile=(64, 128), skip_sample=(91, 0.30))
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_100")
     blackwell = trtllm.sage_semantics(fp8, "cuda")
     assert blackwell.batch_stats and blackwell.skip_tile is None and blackwell.skip_sample is None
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: None)
-    assert trtllm.sage_semantics(AttnQuantSpec("fp8_e4m3", 4, 4), "cpu") == SageSemantics("fp8_e4m3", 4, 4,
-                                                                                          skip_sample=(32, 0.25))
+    # on a CPU, the rule as on an H200, per the plan's tile
+    assert trtllm.sage_semantics(AttnQuantSpec("fp8_e4m3", 4, 4), "cpu", (75600,), (75600,), heads=40,
+                                 tile=(128, 128)) == SageSemantics("fp8_e4m3", 4, 4, skip_sample=(46, 0.25))
 
 
 # ---------------------------------------------------------------- CPU: the quantizer under Triton's interpreter

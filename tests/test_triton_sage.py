@@ -344,8 +344,8 @@ def test_gpu_skip_counts_match_reference(tile):
     quant = AttnQuantSpec("int8", 1, 16)
     plan = KernelPlan("triton", 128 ** -0.5, quant=quant, skip_factor=400.0, tile=tile, count_skips=True)
     out, skipped, total = _attention(qkv, plan)
-    ref, ref_skipped, ref_total = _reference(qkv, plan, skip_sample=(triton_sage.SKIP_SAMPLE_EVERY,
-                                                                     triton_sage.SKIP_PAYS_FROM))
+    sample = triton_sage.skip_sample_rule("int8", qkv.seqlens_q, 4, tile[0], "cuda")
+    ref, ref_skipped, ref_total = _reference(qkv, plan, skip_sample=sample)
     assert int(total) == ref_total
     assert 0.05 * ref_total < ref_skipped < 0.95 * ref_total
     # Scores agree to float32 rounding; a decision exactly at the threshold may go either way.
@@ -363,7 +363,7 @@ def test_gpu_skip_schedules_give_bit_identical_results(dtype):
     runs = [triton_sage.sage_attention_quantized(
         quantized, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q, qkv.seqlens_kv, 128 ** -0.5,
         skip_factor=400.0, skip_tile=(64, 128), count_skips=True, launch=launch)
-        for launch in _skip_schedules(triton_sage.skip_launch((64, 128))).values()]
+        for launch in _skip_schedules(triton_sage.skip_launch((64, 128), (4, 0.25))).values()]
     (out, skipped, total), others = runs[0], runs[1:]
     assert 0.05 * total < int(skipped) < 0.95 * total
     for other_out, other_skipped, _ in others:
@@ -374,8 +374,9 @@ def test_gpu_skip_schedules_give_bit_identical_results(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", QK_DTYPES)
 def test_gpu_skipping_only_where_it_pays(dtype):
-    """The default skipping launch: heads whose sampled query tiles skip under ``SKIP_PAYS_FROM`` of the KV tiles
-    attend dense, bit for bit as the dense launch; the others skip as every tile would; counts as the reference."""
+    """The default skipping launch (``skip_sample_rule``): heads whose sampled query tiles skip under
+    ``SKIP_PAYS_FROM`` of the KV tiles attend dense, bit for bit as the dense launch; the others skip as every
+    tile would; counts as the reference."""
     qkv = _offset_qkv((4096, 1500), (2, 8, 3, 20), 128, device="cuda")  # 50 %, 12.5 %, 33 %, 5 % skippable
     quantized = _quantize(qkv, AttnQuantSpec(dtype, 1, 16))
     factor = 0.01 * 4096
@@ -385,17 +386,17 @@ def test_gpu_skipping_only_where_it_pays(dtype):
             quantized, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q, qkv.seqlens_kv, 128 ** -0.5,
             skip_factor=skip_factor, skip_tile=(64, 128), count_skips=True, launch=launch)
 
-    shipped = triton_sage.skip_launch((64, 128))
-    out, skipped, total = attend(shipped)
-    every_tile, every_tile_skipped, _ = attend(dataclasses.replace(shipped, skip_sample_every=0))
+    out, skipped, total = attend(None)
+    sample = triton_sage.skip_sample_rule(dtype, qkv.seqlens_q, 4, 64, "cuda")
+    every_tile, every_tile_skipped, _ = attend(dataclasses.replace(triton_sage.skip_launch((64, 128), sample),
+                                                                   skip_sample_every=0))
     dense = attend(triton_sage.DENSE_LAUNCH, 0.0)[0]
     plan = KernelPlan("triton", 128 ** -0.5, quant=AttnQuantSpec(dtype, 1, 16), skip_factor=factor, tile=(64, 128))
-    ref, ref_skipped, ref_total = _reference(qkv, plan, skip_sample=(triton_sage.SKIP_SAMPLE_EVERY,
-                                                                     triton_sage.SKIP_PAYS_FROM))
+    ref, ref_skipped, ref_total = _reference(qkv, plan, skip_sample=sample)
     assert int(total) == ref_total and int(skipped) == ref_skipped
     assert 0 < int(skipped) < int(every_tile_skipped)
     _assert_dense_where_routed(out, every_tile, dense)
-    sampled = torch.cat([torch.arange(n, device="cuda") // 64 % triton_sage.SKIP_SAMPLE_EVERY == 0
+    sampled = torch.cat([torch.arange(n, device="cuda") // 64 % sample[0] == 0
                          for n in qkv.seqlens_q])
     heads_skipping = ((out != dense).any(dim=-1) & ~sampled[:, None]).any(dim=0)
     assert heads_skipping.tolist() == [True, False, True, False]
@@ -411,7 +412,7 @@ def test_gpu_heads_that_do_not_pay_run_the_dense_launchs_binary():
     compiled = triton_sage._sage_attention_kernel.device_caches[torch.cuda.current_device()][0]
     # a setting no other test launches with, so that every binary here is compiled here
     dense_launch = dataclasses.replace(triton_sage.DENSE_LAUNCH, fp8_qk_chunk=64)
-    sampling = dataclasses.replace(triton_sage.skip_launch((64, 128)), fp8_qk_chunk=64)
+    sampling = dataclasses.replace(triton_sage.skip_launch((64, 128), (4, 0.25)), fp8_qk_chunk=64)
     counts = [len(compiled)]
     for launch, factor in ((dense_launch, 0.0), (sampling, 0.01 * 4096)):
         triton_sage.sage_attention_quantized(quantized, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.seqlens_q,

@@ -88,9 +88,6 @@ FMHA_V2_USER_K_BLOCKS = tuple(b for b in fmha_v2_sage.K_BLOCKS if b)  # 0 (per s
 # The Triton SAGE kernel's Skip-Softmax tile on sm_90: its dense launch's tile (one warpgroup per program). With
 # 128 × 128 tiles (two warpgroups) it took 17-19 % longer at the same sparsity on an H200 (benchmarks/RESULTS.md).
 TRITON_SKIP_TILE_SM90 = (triton_sage.DENSE_LAUNCH.block_m, triton_sage.DENSE_LAUNCH.block_n)
-# The Triton SAGE kernel skips only in the heads where its sampled query tiles found skipping to pay
-# (SageSemantics.skip_sample).
-TRITON_SKIP_SAMPLE = (triton_sage.SKIP_SAMPLE_EVERY, triton_sage.SKIP_PAYS_FROM)
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the
 # installed FlashInfer, so an older or changed one is refused with a reason instead of failing mid-pipeline).
@@ -169,10 +166,12 @@ def fmha_v2_sage_semantics(k_block: int, kv_step: int = FMHA_V2_KV_STEP,
                          fp8_accumulator_bits=fp8_accumulator_bits, skip_tile=fmha_v2_sage.SKIP_TILE)
 
 
-def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(1,), seqlens_kv=(1,)) -> SageSemantics:
-    """What the SAGE kernel that ``TRTLLM_ATTN`` runs for ``quant`` on ``device`` computes (block sizes resolved,
-    P's fp8 scale, per-sequence or batch-wide statistics). On a device without TRT-LLM kernels: this package's
-    Triton kernel's semantics, with unset blocks as :data:`PORTABLE_BLOCKS`."""
+def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(1,), seqlens_kv=(1,), heads: int = 1,
+                   tile: tuple[int, int] = (128, 128)) -> SageSemantics:
+    """What the SAGE kernel that ``TRTLLM_ATTN`` runs for ``quant`` on ``device`` computes for a batch of these
+    lengths and query ``heads`` (block sizes resolved, P's fp8 scale, per-sequence or batch-wide statistics, the
+    Triton kernel's sample of query tiles). On a device without TRT-LLM kernels: this package's Triton kernel's
+    semantics, with unset blocks as :data:`PORTABLE_BLOCKS`, deciding skips per ``tile``."""
     arch = gpu_arch(device)
     equal = _equal_lengths(seqlens_q, seqlens_kv)
     unset = quant.q_block_size is None or quant.k_block_size is None
@@ -184,9 +183,11 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
         q_block = PORTABLE_BLOCKS[0] if quant.q_block_size is None else quant.q_block_size
         k_block = PORTABLE_BLOCKS[1] if quant.k_block_size is None else quant.k_block_size
         blackwell = arch in TRTLLM_GEN_ARCHS
+        skip_tile = TRITON_SKIP_TILE_SM90 if arch in FMHA_V2_ARCHS else None
+        sample = None if blackwell else triton_sage.skip_sample_rule(quant.dtype_qk, tuple(seqlens_q), heads,
+                                                                     (skip_tile or tile)[0], device)
         semantics = SageSemantics(quant.dtype_qk, q_block, k_block, p_scale=P_SCALE, batch_stats=blackwell,
-                                  skip_tile=TRITON_SKIP_TILE_SM90 if arch in FMHA_V2_ARCHS else None,
-                                  skip_sample=None if blackwell else TRITON_SKIP_SAMPLE)
+                                  skip_tile=skip_tile, skip_sample=sample)
         kernel = "trtllm-gen" if blackwell else "Triton"
     if unset and arch is not None:
         _log_choice(arch, quant, semantics, kernel)
@@ -295,7 +296,7 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
 
 
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
-    semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv)
+    semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile)
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
         out = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), tuple(qkv.seqlens_q),
                                                   plan.scale, k_block=semantics.k_block,
@@ -305,7 +306,7 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),
         tuple(qkv.seqlens_kv), plan.scale, dtype_qk=semantics.dtype_qk, q_block=semantics.q_block,
         k_block=semantics.k_block, skip_factor=plan.skip_factor, skip_tile=semantics.skip_tile,
-        count_skips=plan.count_skips)
+        count_skips=plan.count_skips, skip_sample=semantics.skip_sample)
     return KernelResult(out, skipped, total)
 
 

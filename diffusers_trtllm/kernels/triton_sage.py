@@ -33,10 +33,10 @@ skip it is the slower one) and *branch-free* (every tile's work issued, a skippe
 one ``bar.red`` on sm_90: a fixed cost over dense whatever the sparsity). A run after one that skipped few of its
 tiles is branch-free, else branching (:func:`skip_launch`, benchmarks/RESULTS.md). Even branch-free, the tile
 vote has a fixed cost over dense, which a head that skips few of its tiles does not earn back; so by default each
-head skips only where it pays: a sample of its query tiles (every :data:`SKIP_SAMPLE_EVERY`-th)
-attends first, skipping, in a launch of its own, and the head's other query tiles skip only if the sample skipped
-at least :data:`SKIP_PAYS_FROM` of its KV tiles, else they run the dense launch's code (a launch of the dense
-kernel whose programs of paying heads return at once). The reference follows the rule
+head skips only where it pays: a sample of its query tiles (:func:`skip_sample_rule`: about two waves of the
+GPU's programs) attends first, skipping, in a launch of its own, and the head's other query tiles skip only if
+the sample skipped at least :data:`SKIP_PAYS_FROM` of its KV tiles (by dtype), else they run the dense launch's
+code (a launch of the dense kernel whose programs of paying heads return at once). The reference follows the rule
 (``SageSemantics.skip_sample``).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
 cuDNN SDPA dense including the 1.9 ms of quantization.
@@ -123,23 +123,43 @@ class AttentionLaunch:
 # branch-free one. Of the thresholds measured on an H200 this one had the best worst case over sparsities, for fp8
 # and int8 (benchmarks/RESULTS.md, benchmarks/triton_skip_schedules.py)
 BRANCH_FREE_BELOW = 0.1
-# AttentionLaunch.skip_sample_every / skip_pays_from of skipping: below a quarter of the tiles skipped, skipping
-# costs more than it saves on an H200 (fp8 breaks even near 0.24, int8 near 0.28: benchmarks/RESULTS.md); one
-# query tile in 32 is the sample (a fraction of the vote's cost with nothing to skip).
-SKIP_SAMPLE_EVERY = 32
-SKIP_PAYS_FROM = 0.25
+# AttentionLaunch.skip_pays_from of skipping, per Q/K dtype: below this fraction of its tiles skipped, skipping
+# took longer than dense on an H200 (timed in alternating pairs, benchmarks/RESULTS.md).
+SKIP_PAYS_FROM = {"fp8_e4m3": 0.25, "int8": 0.30}
+# The sample launch holds about this many waves of programs (each program a whole query tile against all keys):
+# a launch of whole waves costs its share of the work, a last partial wave leaves SMs idle for up to a program's
+# time (benchmarks/RESULTS.md: one tile in 32 at Wan's shape, 5.6 waves, cost 0.6-0.8 %; 1.97 waves 0.1-0.2 %).
+SKIP_SAMPLE_WAVES = 2
+# Programs of the 64 × 128 tile an SM holds at once (their shared memory), and the SMs of an H200: off CUDA, the
+# reference of the kernel's rule samples as on an H200.
+PROGRAMS_PER_SM = 2
+H200_SMS = 132
 
 # The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~13% faster
 # than 128 × 128 with two (587 vs 521 TFLOP/s at 16k tokens × 40 heads), which needs all 255 registers per thread.
 DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
 
 
-def skip_launch(tile: tuple[int, int]) -> AttentionLaunch:
+def skip_sample_rule(dtype_qk: str, seqlens_q: tuple[int, ...], heads: int, tile_rows: int,
+                device: torch.device | str) -> tuple[int, float]:
+    """``(every, pays_from)`` of the sampled skipping rule for a batch: every ``every``-th query tile of
+    ``tile_rows`` rows of each (sequence, head) is the sample, as many per (sequence, head) as fill
+    :data:`SKIP_SAMPLE_WAVES` waves of ``device``'s programs (one in two at most); ``pays_from`` by dtype
+    (:data:`SKIP_PAYS_FROM`)."""
+    device = torch.device(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_SMS
+    per_head = max(1, SKIP_SAMPLE_WAVES * PROGRAMS_PER_SM * sms // (len(seqlens_q) * heads))
+    query_tiles = -(-max(seqlens_q) // tile_rows)
+    return max(2, -(-query_tiles // per_head)), SKIP_PAYS_FROM[dtype_qk]
+
+
+def skip_launch(tile: tuple[int, int], sample: tuple[int, float]) -> AttentionLaunch:
     """The launch for a skipping plan: the kernel tile is the skip tile, with one warp per 16 query rows (a
     warpgroup per 64), alternating schedules by :data:`BRANCH_FREE_BELOW`, skipping in the heads where it pays
-    (:data:`SKIP_SAMPLE_EVERY`, :data:`SKIP_PAYS_FROM`)."""
+    by ``sample`` (:func:`skip_sample_rule`)."""
+    every, pays_from = sample
     return AttentionLaunch(tile[0], tile[1], num_warps=max(1, tile[0] // 16), branch_free_below=BRANCH_FREE_BELOW,
-                           skip_sample_every=SKIP_SAMPLE_EVERY, skip_pays_from=SKIP_PAYS_FROM)
+                           skip_sample_every=every, skip_pays_from=pays_from)
 
 
 class SageQuantized(NamedTuple):
@@ -314,7 +334,7 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
                              seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], scale: float, *,
                              out_dtype: torch.dtype = torch.bfloat16, skip_factor: float = 0.0,
                              skip_tile: tuple[int, int] = (128, 128), count_skips: bool = False,
-                             launch: AttentionLaunch | None = None):
+                             skip_sample: tuple[int, float] | None = None, launch: AttentionLaunch | None = None):
     """Attention over already-quantized Q, K, V (from :func:`sage_quantize` of the same batch).
 
     ``seqlens_q`` / ``seqlens_kv``: per-sequence lengths (host ints; they size the launch and the tile count).
@@ -325,16 +345,21 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     ``skip_tile``; ``launch`` overrides the tile shape and schedule (with skipping its tile must equal
     ``skip_tile``). A skipping launch that samples (``AttentionLaunch.skip_sample_every``) is three kernel
     launches: the sampled query tiles, then (on the dense kernel) the others of the heads where skipping does not
-    pay, then those of the heads where it pays.
+    pay, then those of the heads where it pays. ``skip_sample``: the default launch's ``(every, pays_from)``
+    (default :func:`skip_sample_rule` of this batch on this device).
     """
     skips = skip_factor > 0.0
-    if launch is None:
-        launch = skip_launch(skip_tile) if skips else DENSE_LAUNCH
+    q = quantized.q
+    batch, heads_q, heads_kv = len(seqlens_q), q.shape[1], quantized.k.shape[1]
+    if launch is None and skips:
+        dtype_qk = "int8" if q.dtype == torch.int8 else "fp8_e4m3"
+        launch = skip_launch(skip_tile, skip_sample or skip_sample_rule(dtype_qk, seqlens_q, heads_q, skip_tile[0],
+                                                                          q.device))
+    elif launch is None:
+        launch = DENSE_LAUNCH
     if skips and (launch.block_m, launch.block_n) != tuple(skip_tile):
         raise ValueError(f"skip decisions are made per kernel tile: launch tile {launch.block_m}x{launch.block_n} "
                          f"must equal the skip tile {skip_tile}")
-    q = quantized.q
-    batch, heads_q, heads_kv = len(seqlens_q), q.shape[1], quantized.k.shape[1]
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     skipped = torch.zeros((), dtype=torch.int32, device=q.device)
     query_tiles = -(-max(seqlens_q) // launch.block_m)
@@ -379,15 +404,15 @@ def triton_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           cu_seqlens_kv: torch.Tensor, seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...],
                           scale: float, *, dtype_qk: str = "int8", q_block: int = 1, k_block: int = 16,
                           skip_factor: float = 0.0, skip_tile: tuple[int, int] = (128, 128),
-                          count_skips: bool = False):
+                          count_skips: bool = False, skip_sample: tuple[int, float] | None = None):
     """SAGE attention (with Skip-Softmax when ``skip_factor > 0``) on a packed batch.
 
     ``q``: ``[Tq, Hq, 128]``, ``k``/``v``: ``[Tk, Hkv, 128]``, bf16 or fp16, ragged (FlashInfer layout, sequence
     ``i`` owning rows ``cu_seqlens[i]:cu_seqlens[i + 1]``; ``cu_seqlens_*`` ``[B + 1]`` int32 on the tensors'
     device, ``seqlens_*`` the same lengths as host ints), ``Hq % Hkv == 0`` (GQA). ``dtype_qk``: ``"int8"`` or
     ``"fp8_e4m3"``; ``q_block`` / ``k_block``: 1, 4 or 16 tokens. Returns ``(out [Tq, Hq, 128] in q's dtype,
-    skipped, total)`` as :func:`sage_attention_quantized`. GPUs: sm_89 and newer with Triton (measured on sm_90
-    only). Raises ``ValueError`` with the reason when :func:`triton_sage_unavailable_reason` is not ``None``.
+    skipped, total)`` as :func:`sage_attention_quantized`, which also takes ``skip_sample``. GPUs: sm_89 and
+    newer with Triton (measured on sm_90 only). Raises ``ValueError`` with the reason when :func:`triton_sage_unavailable_reason` is not ``None``.
     """
     reason = triton_sage_unavailable_reason(q, k, v, skip_tile=skip_tile if skip_factor > 0.0 else None)
     if reason is not None:
@@ -396,7 +421,7 @@ def triton_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                               dtype_qk=dtype_qk, q_block=q_block, k_block=k_block)
     return sage_attention_quantized(quantized, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, scale,
                                     out_dtype=q.dtype, skip_factor=skip_factor, skip_tile=skip_tile,
-                                    count_skips=count_skips)
+                                    count_skips=count_skips, skip_sample=skip_sample)
 
 
 @_jit
