@@ -16,6 +16,7 @@ The last lines give each schedule's worst ratio to dense over the data.
 
     python benchmarks/triton_skip_schedules.py                       # writes $OUT/triton_skip_schedules.json
     python benchmarks/triton_skip_schedules.py --sparsities 0.3,0.65 --dtypes int8
+    python benchmarks/triton_skip_schedules.py --sparsities 0.25 --rounds 40    # a finer paired ratio
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="fp8_e4m3,int8", help="Q/K dtypes: fp8_e4m3, int8")
     parser.add_argument("--tokens", type=int, default=75600)
     parser.add_argument("--heads", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="alternating pairs behind the paired ratio (more resolve smaller differences)")
     args = parser.parse_args()
     lists = {}
     for name in ("sparsities", "thresholds"):
@@ -81,6 +84,8 @@ def main() -> None:
     if not set(dtypes) <= {"fp8_e4m3", "int8"}:
         parser.error(f"--dtypes: {args.dtypes!r}; valid: fp8_e4m3, int8")
     tokens, heads = args.tokens, args.heads
+    if args.rounds < 1:
+        parser.error(f"--rounds: {args.rounds}; valid: a positive number of pairs")
     out_path = os.path.join(os.environ.get("OUT", "."), "triton_skip_schedules.json")
     results = {"meta": dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), shape=[tokens, heads, 128],
@@ -122,7 +127,7 @@ def main() -> None:
                 row[f"{name} x dense"] = row["dense_ms"] / row[f"{name} ms"]
             shipped = triton_sage.skip_launch(TILE, sample)
             row["skip_launch x dense, paired"] = paired_ratio(lambda: run(triton_sage.DENSE_LAUNCH, 0.0),
-                                                             lambda: run(shipped, factor))
+                                                             lambda: run(shipped, factor), args.rounds)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
             with open(out_path, "w") as f:

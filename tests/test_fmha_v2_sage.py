@@ -185,11 +185,15 @@ def test_semantics_by_gpu(monkeypatch):
     # the Triton kernel: skip decisions per its dense launch's tile, in the heads where its sample finds they pay;
     # the sample: every other query tile of a short sequence, and at Wan's shape (75,600 tokens, 40 heads, 1,182
     # tiles of 64 rows) 13 tiles per head, 520 programs, two waves of an H200's 132 SMs × 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     assert trtllm.sage_semantics(fp8, "cuda", (10,), (20,)) == SageSemantics(
         "fp8_e4m3", 1, 16, skip_tile=(64, 128), skip_sample=(2, 0.25))
     assert trtllm.sage_semantics(AttnQuantSpec("int8"), "cuda", (75600,), (75600,), heads=40) == SageSemantics(
         "int8", 1, 16, skip_tile=(64, 128), skip_sample=(91, 0.30))
+    # a GPU of half the SMs: half the sample (6 tiles per head, 240 programs, 1.8 waves of its 132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=66))
+    assert trtllm.sage_semantics(AttnQuantSpec("int8"), "cuda", (75600,), (75600,), heads=40).skip_sample == (197, 0.30)
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_100")
     blackwell = trtllm.sage_semantics(fp8, "cuda")
     assert blackwell.batch_stats and blackwell.skip_tile is None and blackwell.skip_sample is None

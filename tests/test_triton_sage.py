@@ -17,9 +17,10 @@ if __name__ == "__main__":
 import pytest
 import torch
 
+from diffusers_trtllm.backends import run_backend
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.backends.reference import reference_attention
-from diffusers_trtllm.config import AttnQuantSpec
+from diffusers_trtllm.config import TORCH_REFERENCE, AttnQuantSpec
 from diffusers_trtllm.kernels import triton_sage
 from diffusers_trtllm.quant import SageSemantics, quantize_sequence
 
@@ -129,7 +130,7 @@ def _interpreter_cases():
         mixed = _offset_qkv((200, 100), (2, 6), SMALL_TILE[1])
         plan = dataclasses.replace(plan, skip_factor=0.01 * 200)
         for name, launch in (("every-tile", small_launch), ("dense", small_launch),
-                             ("sampled", dataclasses.replace(small_launch, **SMALL_SAMPLING))):
+                             ("sampled", dataclasses.replace(small_launch, **SMALL_SAMPLING)), ("default", None)):
             cases.append((f"pays-{dtype}-{name}", mixed, quant,
                           dataclasses.replace(plan, skip_factor=0.0) if name == "dense" else plan, launch))
     return cases
@@ -278,6 +279,23 @@ def test_skipping_only_where_it_pays_runs_the_other_heads_dense_like_the_referen
     assert int(skipped) == ref_skipped and int(total) == ref_total
     assert _rel(out, ref) < 5e-3
     _assert_dense_where_routed(out, every_tile, dense)
+
+
+@pytest.mark.parametrize("dtype", QK_DTYPES)
+def test_default_skipping_launch_samples_as_the_reference_backend(interpreted, dtype):
+    """Without a launch, the kernel samples by ``skip_sample_rule`` of its batch (off a GPU as on an H200: every
+    other query tile here); the reference backend resolves the same rule through ``sage_semantics``, and tile
+    counts and output agree."""
+    cases, results = interpreted
+    qkv, _, plan = cases[f"pays-{dtype}-default"]
+    out, skipped, total = results[f"pays-{dtype}-default"]
+    assert triton_sage.skip_sample_rule(dtype, qkv.seqlens_q, 2, SMALL_TILE[0], "cpu") == (
+        2, triton_sage.SKIP_PAYS_FROM[dtype])
+    ref = run_backend(TORCH_REFERENCE, qkv, plan)
+    assert int(skipped) == int(ref.skipped_tiles) and int(total) == int(ref.total_tiles)
+    assert 0 < int(skipped) < int(results[f"pays-{dtype}-every-tile"][1])
+    assert _rel(out, ref.out) < 5e-3
+    _assert_dense_where_routed(out, results[f"pays-{dtype}-every-tile"][0], results[f"pays-{dtype}-dense"][0])
 
 
 def _assert_dense_where_routed(out, every_tile, dense):

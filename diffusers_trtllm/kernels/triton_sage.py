@@ -128,10 +128,11 @@ BRANCH_FREE_BELOW = 0.1
 SKIP_PAYS_FROM = {"fp8_e4m3": 0.25, "int8": 0.30}
 # The sample launch holds about this many waves of programs (each program a whole query tile against all keys):
 # a launch of whole waves costs its share of the work, a last partial wave leaves SMs idle for up to a program's
-# time (benchmarks/RESULTS.md: one tile in 32 at Wan's shape, 5.6 waves, cost 0.6-0.8 %; 1.97 waves 0.1-0.2 %).
+# time (benchmarks/RESULTS.md, timed in pairs with nothing to skip at Wan's shape: one query tile in 32, 5.6 waves,
+# cost 0.6-0.8 %; one in 91, 1.97 waves, 0.1-0.2 %).
 SKIP_SAMPLE_WAVES = 2
-# Programs of the 64 × 128 tile an SM holds at once (their shared memory), and the SMs of an H200: off CUDA, the
-# reference of the kernel's rule samples as on an H200.
+# Programs of the 64 × 128 tile an SM holds at once (their shared memory), and the SMs of an H200: without a GPU,
+# the reference of the kernel's rule samples as on an H200.
 PROGRAMS_PER_SM = 2
 H200_SMS = 132
 
@@ -147,7 +148,8 @@ def skip_sample_rule(dtype_qk: str, seqlens_q: tuple[int, ...], heads: int, tile
     :data:`SKIP_SAMPLE_WAVES` waves of ``device``'s programs (one in two at most); ``pays_from`` by dtype
     (:data:`SKIP_PAYS_FROM`)."""
     device = torch.device(device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H200_SMS
+    on_gpu = device.type == "cuda" and torch.cuda.is_available()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else H200_SMS
     per_head = max(1, SKIP_SAMPLE_WAVES * PROGRAMS_PER_SM * sms // (len(seqlens_q) * heads))
     query_tiles = -(-max(seqlens_q) // tile_rows)
     return max(2, -(-query_tiles // per_head)), SKIP_PAYS_FROM[dtype_qk]
