@@ -10,7 +10,7 @@ import torch
 from diffusers_trtllm.backends import trtllm
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.config import AttnQuantSpec
-from diffusers_trtllm.kernels import flashinfer_fmha
+from diffusers_trtllm.kernels import flashinfer_fmha, triton_sage
 from diffusers_trtllm.kernels.flashinfer_calls import (FMHA_V2, SAGE_QUANTIZE, TRTLLM_GEN, SageScales,
                                                        build_ragged_index, fmha_v2_call, sage_quantize_call,
                                                        sage_scale_shapes, trtllm_gen_call)
@@ -214,7 +214,7 @@ def test_sm90_sage_routes_by_dtype_blocks_and_lengths(monkeypatch, recording, qu
         return torch.zeros_like(q)
 
     monkeypatch.setattr(trtllm, "triton_sage", types.SimpleNamespace(
-        triton_sage_attention=triton_sage_attention,
+        triton_sage_attention=triton_sage_attention, skip_sample_rule=triton_sage.skip_sample_rule,
         triton_sage_unavailable_reason=lambda *a, **kw: None))
     monkeypatch.setattr(trtllm.fmha_v2_sage, "fmha_v2_sage_attention", fmha_v2_sage_attention)
     plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=quant)
@@ -229,3 +229,5 @@ def test_sm90_sage_routes_by_dtype_blocks_and_lengths(monkeypatch, recording, qu
         assert seen["fmha_v2"]["k_block"] == expected and seen["fmha_v2"]["kv_step"] == trtllm.FMHA_V2_KV_STEP
     else:
         assert (seen["triton"]["q_block"], seen["triton"]["k_block"]) == (1, 16)
+        # the kernel samples as the semantics say (every other 64-row tile: 5 tiles a sequence, 8 (sequence, head)s)
+        assert seen["triton"]["skip_sample"] == (2, triton_sage.SKIP_PAYS_FROM[quant.dtype_qk])

@@ -142,7 +142,7 @@ DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
 
 
 def skip_sample_rule(dtype_qk: str, seqlens_q: tuple[int, ...], heads: int, tile_rows: int,
-                device: torch.device | str) -> tuple[int, float]:
+                     device: torch.device | str) -> tuple[int, float]:
     """``(every, pays_from)`` of the sampled skipping rule for a batch: every ``every``-th query tile of
     ``tile_rows`` rows of each (sequence, head) is the sample, as many per (sequence, head) as fill
     :data:`SKIP_SAMPLE_WAVES` waves of ``device``'s programs (one in two at most); ``pays_from`` by dtype
