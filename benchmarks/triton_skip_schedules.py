@@ -109,7 +109,8 @@ def main() -> None:
             row = dict(dtype=dtype, data=data, s=s, factor=factor, sample=sample,
                        dense_ms=bench_ms(lambda: run(triton_sage.DENSE_LAUNCH, 0.0)))
             reference = None
-            for name, launch in schedules(thresholds, sample).items():
+            launches = schedules(thresholds, sample)
+            for name, launch in launches.items():
                 out, skipped, total = run(launch, factor, count=True)
                 if reference is None:
                     reference = out, int(skipped)
@@ -125,9 +126,9 @@ def main() -> None:
                     row[f"{name} identical"] = bool(torch.equal(out, reference[0])) and int(skipped) == reference[1]
                 row[f"{name} ms"] = bench_ms(lambda: run(launch, factor))
                 row[f"{name} x dense"] = row["dense_ms"] / row[f"{name} ms"]
-            shipped = triton_sage.skip_launch(TILE, sample)
             row["skip_launch x dense, paired"] = paired_ratio(lambda: run(triton_sage.DENSE_LAUNCH, 0.0),
-                                                             lambda: run(shipped, factor), args.rounds)
+                                                             lambda: run(launches["skip_launch"], factor),
+                                                             args.rounds)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
             with open(out_path, "w") as f:
@@ -135,7 +136,7 @@ def main() -> None:
             del quantized
     for dtype in dtypes:
         rows = [row for row in results["rows"] if row["dtype"] == dtype]
-        worst = {name: min(row[f"{name} x dense"] for row in rows) for name in schedules(thresholds, (2, 0.0))}
+        worst = {name: min(row[f"{name} x dense"] for row in rows) for name in schedules(thresholds, rows[0]["sample"])}
         worst["skip_launch, paired"] = min(row["skip_launch x dense, paired"] for row in rows)
         print(f"{dtype}: worst x dense " + ", ".join(f"{name} {value:.3f}" for name, value in worst.items()))
 

@@ -414,7 +414,8 @@ def triton_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     device, ``seqlens_*`` the same lengths as host ints), ``Hq % Hkv == 0`` (GQA). ``dtype_qk``: ``"int8"`` or
     ``"fp8_e4m3"``; ``q_block`` / ``k_block``: 1, 4 or 16 tokens. Returns ``(out [Tq, Hq, 128] in q's dtype,
     skipped, total)`` as :func:`sage_attention_quantized`, which also takes ``skip_sample``. GPUs: sm_89 and
-    newer with Triton (measured on sm_90 only). Raises ``ValueError`` with the reason when :func:`triton_sage_unavailable_reason` is not ``None``.
+    newer with Triton (measured on sm_90 only). Raises ``ValueError`` with the reason when
+    :func:`triton_sage_unavailable_reason` is not ``None``.
     """
     reason = triton_sage_unavailable_reason(q, k, v, skip_tile=skip_tile if skip_factor > 0.0 else None)
     if reason is not None:
