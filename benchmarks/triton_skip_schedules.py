@@ -105,7 +105,7 @@ def main() -> None:
                     count_skips=count, launch=launch)
 
             factor = skip_factor(s)
-            sample = triton_sage.skip_sample_rule(dtype, (tokens,), heads, TILE[0], "cuda")
+            sample = triton_sage.skip_sample_rule((tokens,), heads, TILE[0], "cuda")
             row = dict(dtype=dtype, data=data, s=s, factor=factor, sample=sample,
                        dense_ms=bench_ms(lambda: run(triton_sage.DENSE_LAUNCH, 0.0)))
             reference = None

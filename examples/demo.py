@@ -131,9 +131,8 @@ def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, 
         "dense (0)",
     ]
     if not on_gpu:
-        pays_from = SKIP_PAYS_FROM["fp8_e4m3"]
         lines.append(f"- SAGE + skip on a CPU follows the Triton SAGE kernel's rule (a head skips only where a "
-                     f"sample of its query tiles skips at least {pays_from:.0%} of the KV tiles, else attends "
+                     f"sample of its query tiles skips at least {SKIP_PAYS_FROM:.0%} of the KV tiles, else attends "
                      "dense), so with little to skip it skips less than skip alone")
     if tiny:
         lines.append(f"- random weights give nearly uniform attention, so λ = {threshold:g} finds few KV tiles "

@@ -230,4 +230,4 @@ def test_sm90_sage_routes_by_dtype_blocks_and_lengths(monkeypatch, recording, qu
     else:
         assert (seen["triton"]["q_block"], seen["triton"]["k_block"]) == (1, 16)
         # the kernel samples as the semantics say (every other 64-row tile: 5 tiles a sequence, 8 (sequence, head)s)
-        assert seen["triton"]["skip_sample"] == (2, triton_sage.SKIP_PAYS_FROM[quant.dtype_qk])
+        assert seen["triton"]["skip_sample"] == (2, triton_sage.SKIP_PAYS_FROM)

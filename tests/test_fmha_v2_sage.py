@@ -188,7 +188,7 @@ def test_semantics_by_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     assert trtllm.sage_semantics(fp8, "cuda", (10,), (20,)) == SageSemantics(
-        "fp8_e4m3", 1, 16, skip_tile=(64, 128), skip_sample=(2, 0.25))
+        "fp8_e4m3", 1, 16, skip_tile=(64, 128), skip_sample=(2, 0.30))
     assert trtllm.sage_semantics(AttnQuantSpec("int8"), "cuda", (75600,), (75600,), heads=40) == SageSemantics(
         "int8", 1, 16, skip_tile=(64, 128), skip_sample=(91, 0.30))
     # a GPU of half the SMs: half the sample (6 tiles per head, 240 programs, 1.8 waves of its 132)
@@ -200,7 +200,7 @@ def test_semantics_by_gpu(monkeypatch):
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: None)
     # on a CPU, the rule as on an H200, per the plan's tile
     assert trtllm.sage_semantics(AttnQuantSpec("fp8_e4m3", 4, 4), "cpu", (75600,), (75600,), heads=40,
-                                 tile=(128, 128)) == SageSemantics("fp8_e4m3", 4, 4, skip_sample=(46, 0.25))
+                                 tile=(128, 128)) == SageSemantics("fp8_e4m3", 4, 4, skip_sample=(46, 0.30))
 
 
 # ---------------------------------------------------------------- CPU: the quantizer under Triton's interpreter

@@ -289,8 +289,8 @@ def test_default_skipping_launch_samples_as_the_reference_backend(interpreted, d
     cases, results = interpreted
     qkv, _, plan = cases[f"pays-{dtype}-default"]
     out, skipped, total = results[f"pays-{dtype}-default"]
-    assert triton_sage.skip_sample_rule(dtype, qkv.seqlens_q, 2, SMALL_TILE[0], "cpu") == (
-        2, triton_sage.SKIP_PAYS_FROM[dtype])
+    assert triton_sage.skip_sample_rule(qkv.seqlens_q, 2, SMALL_TILE[0], "cpu") == (
+        2, triton_sage.SKIP_PAYS_FROM)
     ref = run_backend(TORCH_REFERENCE, qkv, plan)
     assert int(skipped) == int(ref.skipped_tiles) and int(total) == int(ref.total_tiles)
     assert 0 < int(skipped) < int(results[f"pays-{dtype}-every-tile"][1])
@@ -362,7 +362,7 @@ def test_gpu_skip_counts_match_reference(tile):
     quant = AttnQuantSpec("int8", 1, 16)
     plan = KernelPlan("triton", 128 ** -0.5, quant=quant, skip_factor=400.0, tile=tile, count_skips=True)
     out, skipped, total = _attention(qkv, plan)
-    sample = triton_sage.skip_sample_rule("int8", qkv.seqlens_q, 4, tile[0], "cuda")
+    sample = triton_sage.skip_sample_rule(qkv.seqlens_q, 4, tile[0], "cuda")
     ref, ref_skipped, ref_total = _reference(qkv, plan, skip_sample=sample)
     assert int(total) == ref_total
     assert 0.05 * ref_total < ref_skipped < 0.95 * ref_total
@@ -405,7 +405,7 @@ def test_gpu_skipping_only_where_it_pays(dtype):
             skip_factor=skip_factor, skip_tile=(64, 128), count_skips=True, launch=launch)
 
     out, skipped, total = attend(None)
-    sample = triton_sage.skip_sample_rule(dtype, qkv.seqlens_q, 4, 64, "cuda")
+    sample = triton_sage.skip_sample_rule(qkv.seqlens_q, 4, 64, "cuda")
     every_tile, every_tile_skipped, _ = attend(dataclasses.replace(triton_sage.skip_launch((64, 128), sample),
                                                                    skip_sample_every=0))
     dense = attend(triton_sage.DENSE_LAUNCH, 0.0)[0]

@@ -184,8 +184,8 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
         k_block = PORTABLE_BLOCKS[1] if quant.k_block_size is None else quant.k_block_size
         blackwell = arch in TRTLLM_GEN_ARCHS
         skip_tile = TRITON_SKIP_TILE_SM90 if arch in FMHA_V2_ARCHS else None
-        sample = None if blackwell else triton_sage.skip_sample_rule(quant.dtype_qk, tuple(seqlens_q), heads,
-                                                                     (skip_tile or tile)[0], device)
+        sample = None if blackwell else triton_sage.skip_sample_rule(tuple(seqlens_q), heads, (skip_tile or tile)[0],
+                                                                     device)
         semantics = SageSemantics(quant.dtype_qk, q_block, k_block, p_scale=P_SCALE, batch_stats=blackwell,
                                   skip_tile=skip_tile, skip_sample=sample)
         kernel = "trtllm-gen" if blackwell else "Triton"

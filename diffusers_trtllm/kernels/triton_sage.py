@@ -35,7 +35,7 @@ tiles is branch-free, else branching (:func:`skip_launch`, benchmarks/RESULTS.md
 vote has a fixed cost over dense, which a head that skips few of its tiles does not earn back; so by default each
 head skips only where it pays: a sample of its query tiles (:func:`skip_sample_rule`: about two waves of the
 GPU's programs) attends first, skipping, in a launch of its own, and the head's other query tiles skip only if
-the sample skipped at least :data:`SKIP_PAYS_FROM` of its KV tiles (by dtype), else they run the dense launch's
+the sample skipped at least :data:`SKIP_PAYS_FROM` of its KV tiles, else they run the dense launch's
 code (a launch of the dense kernel whose programs of paying heads return at once). The reference follows the rule
 (``SageSemantics.skip_sample``).
 Measured on an H200 (benchmarks/RESULTS.md): 628-632 TFLOP/s for the attention launch at Wan 2.2's shape, 1.10×
@@ -123,9 +123,10 @@ class AttentionLaunch:
 # branch-free one. Of the thresholds measured on an H200 this one had the best worst case over sparsities, for fp8
 # and int8 (benchmarks/RESULTS.md, benchmarks/triton_skip_schedules.py)
 BRANCH_FREE_BELOW = 0.1
-# AttentionLaunch.skip_pays_from of skipping, per Q/K dtype: below this fraction of its tiles skipped, skipping
-# took longer than dense on an H200 (timed in alternating pairs, benchmarks/RESULTS.md).
-SKIP_PAYS_FROM = {"fp8_e4m3": 0.25, "int8": 0.30}
+# AttentionLaunch.skip_pays_from of skipping, fp8 and int8 alike: a head whose sample skipped less of its tiles
+# did not earn back the vote and the launch split in two on an H200 (timed in alternating pairs,
+# benchmarks/RESULTS.md).
+SKIP_PAYS_FROM = 0.30
 # The sample launch holds about this many waves of programs (each program a whole query tile against all keys):
 # a launch of whole waves costs its share of the work, a last partial wave leaves SMs idle for up to a program's
 # time (benchmarks/RESULTS.md, timed in pairs with nothing to skip at Wan's shape: one query tile in 32, 5.6 waves,
@@ -141,18 +142,18 @@ H200_SMS = 132
 DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
 
 
-def skip_sample_rule(dtype_qk: str, seqlens_q: tuple[int, ...], heads: int, tile_rows: int,
+def skip_sample_rule(seqlens_q: tuple[int, ...], heads: int, tile_rows: int,
                      device: torch.device | str) -> tuple[int, float]:
     """``(every, pays_from)`` of the sampled skipping rule for a batch: every ``every``-th query tile of
     ``tile_rows`` rows of each (sequence, head) is the sample, as many per (sequence, head) as fill
-    :data:`SKIP_SAMPLE_WAVES` waves of ``device``'s programs (one in two at most); ``pays_from`` by dtype
-    (:data:`SKIP_PAYS_FROM`)."""
+    :data:`SKIP_SAMPLE_WAVES` waves of ``device``'s programs (one in two at most); ``pays_from`` is
+    :data:`SKIP_PAYS_FROM`."""
     device = torch.device(device)
     on_gpu = device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else H200_SMS
     per_head = max(1, SKIP_SAMPLE_WAVES * PROGRAMS_PER_SM * sms // (len(seqlens_q) * heads))
     query_tiles = -(-max(seqlens_q) // tile_rows)
-    return max(2, -(-query_tiles // per_head)), SKIP_PAYS_FROM[dtype_qk]
+    return max(2, -(-query_tiles // per_head)), SKIP_PAYS_FROM
 
 
 def skip_launch(tile: tuple[int, int], sample: tuple[int, float]) -> AttentionLaunch:
@@ -354,9 +355,7 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     q = quantized.q
     batch, heads_q, heads_kv = len(seqlens_q), q.shape[1], quantized.k.shape[1]
     if launch is None and skips:
-        dtype_qk = "int8" if q.dtype == torch.int8 else "fp8_e4m3"
-        launch = skip_launch(skip_tile, skip_sample or skip_sample_rule(dtype_qk, seqlens_q, heads_q, skip_tile[0],
-                                                                          q.device))
+        launch = skip_launch(skip_tile, skip_sample or skip_sample_rule(seqlens_q, heads_q, skip_tile[0], q.device))
     elif launch is None:
         launch = DENSE_LAUNCH
     if skips and (launch.block_m, launch.block_n) != tuple(skip_tile):
