@@ -14,7 +14,8 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
    FMHAv2 SAGE's 64 × 128 decisions in 256-key steps; whole 64 × 256 steps as FlashInfer's kernel decides them),
    time and ×cuDNN of FMHAv2 bf16 + skip, Triton SAGE + skip (also int8 at 128 × 128 tiles) and FMHAv2 SAGE +
    skip, error vs each one's own dense output;
-   ``curve256``: the same with one offset per 256 keys (structure as coarse as the kernel's KV step).
+   ``curve256``: the same with one offset per 256 keys (structure as coarse as the kernel's KV step);
+   ``curvepairs``: cuDNN, FMHAv2 bf16 + skip and Triton SAGE + skip timed alternately, per-round ratios.
 5. ``floor``: each skipping kernel with every tile after the first skipped (what a skipped tile still costs).
 6. ``ratio``: cuDNN SDPA and the default FMHAv2 SAGE kernel timed alternately (which goes first alternates between
    rounds), the per-round ratio's median/range.
@@ -346,15 +347,40 @@ def paired_ratio(tokens: int, heads: int, rounds: int = 16) -> None:
     kernel = fmha_v2_sage.SageKernel(0, 256, False)
     times = alternating_times({"cuDNN SDPA": lambda: sdpa(q, k, v),
                                "FMHAv2 SAGE fp8": lambda: fmha_sage(q, k, v, (tokens,), kernel)}, rounds)
-    ratios = sorted(c / s for c, s in zip(times["cuDNN SDPA"], times["FMHAv2 SAGE fp8"]))
-    log("ratio", rounds=rounds, median_ms={n: sorted(t)[rounds // 2] for n, t in times.items()},
-        ratio_median=ratios[rounds // 2], ratio_min=ratios[0], ratio_max=ratios[-1])
+    log("ratio", rounds=rounds, median_ms=median_times(times), **round_ratios(times, "cuDNN SDPA", "FMHAv2 SAGE fp8"))
+
+
+def median_times(times: dict) -> dict:
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def round_ratios(times: dict, baseline: str, candidate: str) -> dict:
+    """Median and range over rounds of ``baseline``'s time / ``candidate``'s (above 1: the candidate is faster)."""
+    ratios = sorted(b / c for b, c in zip(times[baseline], times[candidate]))
+    return dict(ratio_median=ratios[len(ratios) // 2], ratio_min=ratios[0], ratio_max=ratios[-1])
+
+
+def skip_curve_pairs(tokens: int, heads: int, rounds: int = 30) -> None:
+    """The Triton kernel + skip against FMHAv2 bf16 + skip on the published-curve data, timed alternately with cuDNN
+    SDPA at each s: differences of 1 % that separate medians (``curve``) do not resolve."""
+    q, k, v = published_curve_qkv(tokens, heads)
+    for s in SPARSITIES:
+        factor = skip_factor(s)
+        times = alternating_times({"cuDNN SDPA": lambda: sdpa(q, k, v),
+                                   "FMHAv2 bf16 + skip": lambda: fmha_bf16(q, k, v, factor),
+                                   "Triton SAGE int8 + skip": lambda: triton(q, k, v, "int8", factor),
+                                   "Triton SAGE fp8 + skip": lambda: triton(q, k, v, "fp8_e4m3", factor)}, rounds)
+        for name in ("FMHAv2 bf16 + skip", "Triton SAGE int8 + skip", "Triton SAGE fp8 + skip"):
+            log("curvepairs", s=s, kernel=name, rounds=rounds, x_cudnn=round_ratios(times, "cuDNN SDPA", name))
+        for name in ("Triton SAGE int8 + skip", "Triton SAGE fp8 + skip"):
+            log("curvepairs", s=s, kernel=name, x_fmha_v2_bf16_skip=round_ratios(times, "FMHAv2 bf16 + skip", name))
+        log("curvepairs", s=s, median_ms=median_times(times))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
-    valid = ("accumulator", "accuracy", "wan", "curve", "curve256", "floor", "ratio")
+    valid = ("accumulator", "accuracy", "wan", "curve", "curve256", "curvepairs", "floor", "ratio")
     parser.add_argument("--sections", default=",".join(valid), help=f"comma-separated: {', '.join(valid)}")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -367,7 +393,7 @@ def main() -> None:
     results["meta"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                            flashinfer=flashinfer.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            shape=[tokens, heads, 128])
-    build(bf16=bool(sections & {"wan", "curve", "curve256", "floor"}))
+    build(bf16=bool(sections & {"wan", "curve", "curve256", "curvepairs", "floor"}))
     if "accumulator" in sections:
         accumulator()
     if "accuracy" in sections:
@@ -384,6 +410,8 @@ def main() -> None:
         skip_curve(tokens, heads, cudnn_ms)
     if "curve256" in sections:
         skip_curve(tokens, heads, cudnn_ms, data_tile=256)
+    if "curvepairs" in sections:
+        skip_curve_pairs(tokens, heads)
     if "floor" in sections:
         skip_floor(tokens, heads, cudnn_ms)
 
