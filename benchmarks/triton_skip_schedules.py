@@ -34,7 +34,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.data import published_curve_qkv, random_qkv, skip_factor  # noqa: E402
-from benchmarks.hopper_sage import SCALE, alternating_times, bench_ms, cu, rel_err  # noqa: E402
+from benchmarks.hopper_sage import SCALE, alternating_times, bench_ms, cu, rel_err, round_ratios  # noqa: E402
 from diffusers_trtllm.kernels import triton_sage  # noqa: E402
 
 TILE = (64, 128)
@@ -46,7 +46,7 @@ def paired_ratio(baseline, candidate, rounds: int = ROUNDS) -> float:
     """The median over ``rounds`` of ``baseline``'s time / ``candidate``'s, timed back to back in alternating order
     (a ratio that drift between two separate medians does not move)."""
     times = alternating_times({"baseline": baseline, "candidate": candidate}, rounds)
-    return sorted(b / c for b, c in zip(times["baseline"], times["candidate"]))[rounds // 2]
+    return round_ratios(times, "baseline", "candidate")["ratio_median"]
 
 
 def schedules(thresholds: list[float], sample: tuple[int, float]) -> dict[str, triton_sage.AttentionLaunch]:

@@ -22,6 +22,7 @@ from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV
 from .calibration.curve import SkipCalibration
 from .config import TORCH_REFERENCE, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
 from .errors import AttentionConfigError, BackendUnavailableError
+from .kernels.triton_sage import SKIP_SAMPLE_WAVES
 from .ops import encode_quant
 
 
@@ -224,9 +225,9 @@ class CallPlanner:
             if rule is not None:
                 sampled.setdefault(rule[1], []).append(call.site.role)
         return [f"diffusers_trtllm: {sorted(set(roles))} attention runs SAGE + Skip-Softmax on the Triton kernel's "
-                f"rule: a head skips only if a sample of its query tiles (about two waves of the GPU's programs) "
-                f"skipped at least {pays_from:.0%} of their KV tiles; other heads attend dense, where skipping would "
-                "cost more time than it saves. handle.stats reports the tiles actually skipped"
+                f"rule: a head skips only if a sample of its query tiles (about {SKIP_SAMPLE_WAVES} waves of the GPU's "
+                f"programs) skipped at least {pays_from:.0%} of their KV tiles; other heads attend dense, where "
+                "skipping would cost more time than it saves. handle.stats reports the tiles actually skipped"
                 for pays_from, roles in sampled.items()]
 
     def _allocate_counts(self, device: torch.device) -> None:
