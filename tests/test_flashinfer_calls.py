@@ -140,6 +140,27 @@ def test_sm90_makes_strided_inputs_contiguous(monkeypatch, recording):
     assert torch.equal(kw["qkv"][0], qkv.q)
 
 
+def test_sm90_fewer_queries_than_keys_pads_and_drops_queries_without_reading_the_device(monkeypatch, recording):
+    """Cosmos 3's generation stream (fewer queries than keys): the kernel sees queries zero-padded to the key
+    length, the caller gets back exactly its own rows, and no tensor is read back to the host on the way."""
+    on_arch(monkeypatch, "sm_90")
+
+    def echo_queries(**kwargs):  # each output row is its query row: the rows handed back show where they came from
+        recording._record(FMHA_V2, kwargs)
+        return kwargs["qkv"][0].clone()
+
+    monkeypatch.setattr(recording, "trtllm_fmha_v2_prefill", echo_queries)
+    qkv = ragged_qkv((300, 50, 128), (300, 80, 64))
+    with monkeypatch.context() as no_host_reads:
+        for name in ("tolist", "item", "cpu", "numpy"):
+            no_host_reads.setattr(torch.Tensor, name, lambda *a, _name=name, **kw: pytest.fail(f"host read: {_name}"))
+        result = trtllm.run(qkv, KernelPlan("TRTLLM_ATTN", SCALE))
+    [(_, kw)] = recording.calls
+    assert kw["cum_seq_lens_q"].tolist() == [0, 300, 380, 508] and kw["max_q_len"] == 300
+    assert not kw["qkv"][0][350:380].any()
+    assert torch.equal(result.out, qkv.q)
+
+
 def test_workspace_is_allocated_once_per_device(monkeypatch, recording):
     on_arch(monkeypatch, "sm_90")
     qkv = ragged_qkv((256,))

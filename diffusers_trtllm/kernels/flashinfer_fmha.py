@@ -98,10 +98,7 @@ def fmha_v2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens
     index = ragged_index(run_lens, tuple(seqlens_kv), device)
     out = fmha_v2_call(run_q.contiguous(), k.contiguous(), v.contiguous(), workspace(device), index, scale,
                        skip_factor)(flashinfer_prefill())
-    if not padded:
-        return out
-    starts = index.cum_seq_lens_q.tolist()
-    return torch.cat([out[start:start + nq] for start, nq in zip(starts, seqlens_q)])
+    return drop_padded_queries(out, seqlens_q, run_lens) if padded else out
 
 
 def pad_queries_to_keys(q: torch.Tensor, seqlens_q: tuple[int, ...],
@@ -115,6 +112,16 @@ def pad_queries_to_keys(q: torch.Tensor, seqlens_q: tuple[int, ...],
         pieces += [piece, piece.new_zeros(missing, *piece.shape[1:])] if missing else [piece]
         lengths.append(nq + missing)
     return torch.cat(pieces), tuple(lengths)
+
+
+def drop_padded_queries(out: torch.Tensor, seqlens_q: tuple[int, ...], run_lens: tuple[int, ...]) -> torch.Tensor:
+    """The rows of ``out`` (laid out by ``run_lens``, from :func:`pad_queries_to_keys`) that belong to real
+    queries. The row offsets come from the host lengths, so nothing is read back from the device."""
+    pieces, start = [], 0
+    for nq, run in zip(seqlens_q, run_lens):
+        pieces.append(out[start:start + nq])
+        start += run
+    return torch.cat(pieces)
 
 
 def _prepare_fmha_v2(device: torch.device, dtype: torch.dtype) -> None:
