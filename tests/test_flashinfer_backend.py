@@ -238,7 +238,7 @@ class _FailingPrefill:
 @pytest.fixture
 def small_workspace(monkeypatch):
     monkeypatch.setattr(flashinfer_fmha, "WORKSPACE_BYTES", 1024)
-    monkeypatch.setattr(flashinfer_fmha, "_workspaces", {})
+    monkeypatch.setattr(flashinfer_fmha, "_workspaces", flashinfer_fmha.StreamWorkspaces(4))
 
 
 def test_missing_cubins_explained(monkeypatch, small_workspace):
@@ -295,11 +295,49 @@ def test_errors_that_merely_mention_cubins_or_downloads_pass_through(monkeypatch
     assert not isinstance(info.value, flashinfer_fmha.CubinUnavailableError)
 
 
+def on_streams(monkeypatch, *streams):
+    order = iter(streams)
+    monkeypatch.setattr(flashinfer_fmha, "_stream_id", lambda device: next(order))
+
+
 def test_workspace_is_per_stream(monkeypatch, small_workspace):
-    streams = iter([1, 1, 2])
-    monkeypatch.setattr(flashinfer_fmha, "_stream_id", lambda device: next(streams))
+    on_streams(monkeypatch, 1, 1, 2)
     first, again, other = (flashinfer_fmha.workspace("cpu") for _ in range(3))
     assert first is again and other is not first
+    assert first.dtype == torch.uint8 and first.numel() == 1024 and not first.any()
+
+
+def test_workspaces_are_bounded_per_device_least_recently_used_first(monkeypatch, small_workspace):
+    kept = flashinfer_fmha.WORKSPACES_PER_DEVICE
+    on_streams(monkeypatch, *range(kept), 0, kept, 0, 1, *range(kept))
+    first = {stream: flashinfer_fmha.workspace("cpu") for stream in range(kept)}
+    assert flashinfer_fmha.workspace("cpu") is first[0]  # stream 0 used again: stream 1 is now the oldest
+    flashinfer_fmha.workspace("cpu")  # one stream more than kept: stream 1's buffer is released
+    assert flashinfer_fmha.workspace("cpu") is first[0]
+    assert flashinfer_fmha.workspace("cpu") is not first[1]  # stream 1 comes back to a new buffer
+    assert flashinfer_fmha.release_workspaces("cpu") == kept
+
+
+def test_workspaces_of_one_device_never_release_another_devices(monkeypatch, small_workspace):
+    kept = flashinfer_fmha.WORKSPACES_PER_DEVICE
+    on_streams(monkeypatch, 0, *range(1, kept + 3), 0)
+    other = flashinfer_fmha.workspace("meta")
+    for _ in range(kept + 2):
+        flashinfer_fmha.workspace("cpu")
+    assert flashinfer_fmha.workspace("meta") is other
+    assert flashinfer_fmha.release_workspaces("meta") == 1 and flashinfer_fmha.release_workspaces() == kept
+
+
+def test_released_workspaces_are_allocated_anew(monkeypatch, small_workspace):
+    on_streams(monkeypatch, 1, 2, 1)
+    first, second = flashinfer_fmha.workspace("cpu"), flashinfer_fmha.workspace("cpu")
+    assert trtllm.release_workspaces() == 2 and trtllm.release_workspaces() == 0
+    assert flashinfer_fmha.workspace("cpu") is not first
+
+
+def test_workspace_cache_needs_room_for_one_stream():
+    with pytest.raises(ValueError, match="per_device must be >= 1.*got 0"):
+        flashinfer_fmha.StreamWorkspaces(0)
 
 
 def test_reference_models_trtllm_gen_batch_wide_statistics(monkeypatch):

@@ -55,13 +55,13 @@ from ..errors import BackendUnavailableError
 from ..kernels import fmha_v2_sage, triton_sage
 from ..kernels.flashinfer_calls import FMHA_V2, SAGE_QUANTIZE, TRTLLM_GEN
 from ..kernels.flashinfer_fmha import (CubinUnavailableError, fmha_v2_attention, flashinfer_prefill,
-                                       trtllm_gen_attention)
+                                       release_workspaces, trtllm_gen_attention)
 from ..platform import flashinfer_version, gpu_arch, version_tuple
 from ..quant import P_SCALE, SageSemantics
 from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
 
 __all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "run", "warmup",
-           "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes"]
+           "release_workspaces", "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes"]
 
 logger = logging.getLogger("diffusers_trtllm")
 

@@ -3,7 +3,8 @@
 What each call passes is decided in :mod:`.flashinfer_calls`; this module owns the state around the calls:
 
 - one zero-initialised workspace buffer per CUDA stream, allocated on first use and reused by every call on that
-  stream (kernels on two streams never share scratch memory);
+  stream (kernels on two streams never share scratch memory); at most :data:`WORKSPACES_PER_DEVICE` are kept per
+  device, the least recently used released first, and :func:`release_workspaces` frees them all;
 - the ragged index (cumulative lengths) per distinct batch layout, cached so repeated layers copy nothing;
 - Hopper's FMHAv2 JIT build (about 90 s on 16 cores on first use; FlashInfer caches the build under
   ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer`` (default ``~/.cache/flashinfer``), so it happens once per
@@ -18,7 +19,9 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -28,9 +31,11 @@ from .flashinfer_calls import (RaggedIndex, SageScales, build_ragged_index, fmha
 logger = logging.getLogger("diffusers_trtllm")
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's own DiT tests use this size for the trtllm-gen kernels
+# Streams per device whose workspace stays allocated: a pipeline uses one, a server a few; beyond that the least
+# recently used stream's buffer goes back to PyTorch's allocator (and is zeroed anew if that stream returns).
+WORKSPACES_PER_DEVICE = 4
 FMHA_V2_LAYOUT = "SEPARATE_Q_K_V"
 
-_workspaces: dict[tuple[torch.device, int], torch.Tensor] = {}
 _ready_fmha_v2: set[tuple[torch.device, torch.dtype]] = set()
 
 
@@ -46,16 +51,57 @@ def flashinfer_prefill():
     return flashinfer.prefill
 
 
+class StreamWorkspaces:
+    """Workspace buffers by (device, stream), at most ``per_device`` per device, least recently used released
+    first. Releasing is safe while a kernel still uses the buffer: it was allocated on its own stream, so
+    PyTorch's caching allocator hands the memory out again only to work ordered after that kernel."""
+
+    def __init__(self, per_device: int):
+        if per_device < 1:
+            raise ValueError(f"per_device must be >= 1 (one workspace per stream in use); got {per_device!r}")
+        self.per_device = per_device
+        self._buffers: OrderedDict[tuple[torch.device, int], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()  # pipelines in several threads share the cache
+
+    def get(self, device: torch.device, stream: int) -> torch.Tensor:
+        key = (device, stream)
+        with self._lock:
+            buf = self._buffers.get(key)
+            if buf is not None:
+                self._buffers.move_to_end(key)
+                return buf
+            on_device = [k for k in self._buffers if k[0] == device]
+            for old in on_device[:max(0, len(on_device) + 1 - self.per_device)]:
+                logger.debug("releasing the FlashInfer workspace of stream %#x on %s (more than %d streams)",
+                             old[1], device, self.per_device)
+                del self._buffers[old]
+            buf = self._buffers[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            return buf
+
+    def release(self, device: torch.device | None = None) -> int:
+        with self._lock:
+            keys = [k for k in self._buffers if device is None or k[0] == device]
+            for key in keys:
+                del self._buffers[key]
+            return len(keys)
+
+
+_workspaces = StreamWorkspaces(WORKSPACES_PER_DEVICE)
+
+
 def workspace(device: torch.device | str) -> torch.Tensor:
-    """The workspace buffer (``WORKSPACE_BYTES`` of uint8, zeroed once) of the device's current stream: calls
-    on one stream run in order and share it; a pipeline on another stream gets its own."""
+    """The workspace buffer (``WORKSPACE_BYTES`` of uint8, zeroed when allocated) of the device's current stream:
+    calls on one stream run in order and share it; a pipeline on another stream gets its own."""
     device = _canonical(device)
-    key = (device, _stream_id(device))
-    buf = _workspaces.get(key)
-    if buf is None:
-        buf = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        _workspaces[key] = buf
-    return buf
+    return _workspaces.get(device, _stream_id(device))
+
+
+def release_workspaces(device: torch.device | str | None = None) -> int:
+    """Free the cached workspace buffers (of ``device``, or of every device) and return how many were held.
+
+    The memory goes back to PyTorch's caching allocator (``torch.cuda.empty_cache()`` then returns it to the
+    driver); the next TRTLLM_ATTN call on a stream allocates and zeroes a new buffer."""
+    return _workspaces.release(None if device is None else _canonical(device))
 
 
 def _stream_id(device: torch.device) -> int:
