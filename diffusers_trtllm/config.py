@@ -44,19 +44,27 @@ SAGE_K_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64, 128)
 Site = tuple[str, str, str, str]
 
 
-def _check_number(field_name: str, value, low: float | None = None, high: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid(field_name, value, _range_text(low, high))
-    value = float(value)
-    if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
-        raise invalid(field_name, value, _range_text(low, high))
-    return value
+def is_finite_number(value) -> bool:
+    """Whether ``value`` is a Python int or float (a bool is not a number here) with a finite value."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _range_text(low, high) -> str:
-    if high is None:
-        return f"a finite number >= {low:g}"
-    return f"a finite number in [{low:g}, {high:g}]"
+def finite_number(field_name: str, value, low: float | None = None, high: float | None = None, *,
+                  above: float | None = None, valid: str | None = None) -> float:
+    """``value`` as a float when it is a finite number with ``low <= value <= high`` and ``value > above`` (a bound
+    left ``None`` does not apply); else :class:`AttentionConfigError` naming ``field_name``, the value and what is
+    valid (``valid``, or the range in words). The one validator of numbers in configs and checkpoints."""
+    if (is_finite_number(value) and (low is None or value >= low) and (high is None or value <= high)
+            and (above is None or value > above)):
+        return float(value)
+    raise invalid(field_name, value, valid or _range_text(low, high, above))
+
+
+def _range_text(low, high, above) -> str:
+    if low is not None and high is not None:
+        return f"a finite number in [{low:g}, {high:g}]"
+    bounds = [f"{sign} {bound:g}" for sign, bound in ((">=", low), ("<=", high), (">", above)) if bound is not None]
+    return "a finite number " + " and ".join(bounds) if bounds else "a finite number"
 
 
 def _reject_unknown_keys(where: str, data: Mapping, allowed) -> None:
@@ -87,9 +95,9 @@ class SkipSoftmaxSpec:
     def __post_init__(self):
         if self.target_sparsity is not None:
             object.__setattr__(self, "target_sparsity",
-                               _check_number("skip_softmax.target_sparsity", self.target_sparsity, 0.0, 1.0))
+                               finite_number("skip_softmax.target_sparsity", self.target_sparsity, 0.0, 1.0))
         if self.threshold is not None:
-            object.__setattr__(self, "threshold", _check_number("skip_softmax.threshold", self.threshold, 0.0))
+            object.__setattr__(self, "threshold", finite_number("skip_softmax.threshold", self.threshold, 0.0))
             if self.threshold >= 1.0:
                 warnings.warn(f"skip_softmax.threshold={self.threshold:g} >= 1 skips nearly every KV tile; "
                               "typical values are 0.01-0.9", stacklevel=3)
@@ -97,7 +105,7 @@ class SkipSoftmaxSpec:
             raise AttentionConfigError(
                 f"skip_softmax.target_sparsity={self.target_sparsity!r} and skip_softmax.threshold="
                 f"{self.threshold!r} are mutually exclusive: set one of them")
-        object.__setattr__(self, "disabled_until_timestep", _check_number(
+        object.__setattr__(self, "disabled_until_timestep", finite_number(
             "skip_softmax.disabled_until_timestep", self.disabled_until_timestep, 0.0, 1.0))
 
     @property

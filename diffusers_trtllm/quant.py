@@ -26,10 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_MAX = 448.0
-INT8_MAX = 127.0
-P_SCALE = FP8_MAX  # P in [0, 1] is stored as fp8(P * 448) unless a kernel's semantics say otherwise
-_TINY = 1e-12  # keeps an all-zero block's scale finite
+from .kernels.numerics import FP8_MAX, INT8_MAX, P_SCALE, TINY_SCALE, qmax
 
 
 @dataclass(frozen=True)
@@ -62,15 +59,11 @@ class SageSemantics:
     skip_sample: tuple[int, float] | None = None
 
 
-def qmax(dtype_qk: str) -> float:
-    return INT8_MAX if dtype_qk == "int8" else FP8_MAX
-
-
 def scale_of(amax: torch.Tensor, q_max: float) -> torch.Tensor:
     """``amax / q_max`` correctly rounded, as the kernels' quantizers divide (amax floored at a tiny value). The
     divisor is a tensor on purpose: CUDA PyTorch multiplies by the rounded reciprocal of a Python-number divisor,
     one ulp off in some blocks, and every value of such a block can then round to another fp8 neighbour."""
-    return amax.clamp_min(_TINY) / torch.full_like(amax, q_max)
+    return amax.clamp_min(TINY_SCALE) / torch.full_like(amax, q_max)
 
 
 def round_to(x: torch.Tensor, dtype_qk: str) -> torch.Tensor:

@@ -56,8 +56,9 @@ from ..kernels import fmha_v2_sage, triton_sage
 from ..kernels.flashinfer_calls import FMHA_V2, SAGE_QUANTIZE, TRTLLM_GEN
 from ..kernels.flashinfer_fmha import (CubinUnavailableError, fmha_v2_attention, flashinfer_prefill,
                                        release_workspaces, trtllm_gen_attention)
+from ..kernels.numerics import HEAD_DIM, P_SCALE, head_dim_mismatch
 from ..platform import flashinfer_version, gpu_arch, version_tuple
-from ..quant import P_SCALE, SageSemantics
+from ..quant import SageSemantics
 from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
 
 __all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "run", "warmup",
@@ -65,7 +66,6 @@ __all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_re
 
 logger = logging.getLogger("diffusers_trtllm")
 
-HEAD_DIM = 128
 SUPPORTED_DTYPES = (torch.bfloat16,)
 FMHA_V2_ARCHS = ("sm_90",)
 TRTLLM_GEN_ARCHS = ("sm_100", "sm_103")
@@ -198,9 +198,9 @@ def _common_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     if plan.causal:
         return ("the plan is causal (e.g. Cosmos 3's text stream); TRTLLM_ATTN runs non-causal attention only: "
                 "route causal attention to TORCH_SDPA or TORCH_REFERENCE")
-    if qkv.head_dim != HEAD_DIM or qkv.k.shape[-1] != HEAD_DIM or qkv.v.shape[-1] != HEAD_DIM:
-        return (f"head_dim is {qkv.head_dim} (k {qkv.k.shape[-1]}, v {qkv.v.shape[-1]}); TRTLLM_ATTN's kernels "
-                f"take head_dim {HEAD_DIM} only")
+    mismatch = head_dim_mismatch(qkv.q, qkv.k, qkv.v)
+    if mismatch is not None:
+        return f"{mismatch}; TRTLLM_ATTN's kernels take head_dim {HEAD_DIM} only"
     dtypes = {qkv.q.dtype, qkv.k.dtype, qkv.v.dtype}
     if len(dtypes) != 1 or qkv.q.dtype not in SUPPORTED_DTYPES:
         return (f"q/k/v dtypes are {qkv.q.dtype}/{qkv.k.dtype}/{qkv.v.dtype}; TRTLLM_ATTN takes "

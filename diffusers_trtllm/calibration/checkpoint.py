@@ -27,11 +27,10 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Mapping
 
-from ..config import AttentionConfig
+from ..config import AttentionConfig, finite_number
 from ..errors import AttentionConfigError, invalid
 from ..version import __version__
 from .curve import SkipCalibration
@@ -144,22 +143,13 @@ def _check_formula(formula, path: str) -> None:
 def _a_b(params, path: str) -> tuple[float, float]:
     if not isinstance(params, Mapping) or "a" not in params or "b" not in params:
         raise invalid(path, params, '{"a": <number > 0>, "b": <number > 0>}')
-    values = []
-    for name in ("a", "b"):
-        value = params[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise invalid(f"{path}.{name}", value, f"a finite number > 0 (factor = {FORMULA} must be positive "
-                          "and grow with the target sparsity)")
-        values.append(float(value))
-    return values[0], values[1]
+    valid = f"a finite number > 0 (factor = {FORMULA} must be positive and grow with the target sparsity)"
+    return (finite_number(f"{path}.a", params["a"], above=0.0, valid=valid),
+            finite_number(f"{path}.b", params["b"], above=0.0, valid=valid))
 
 
 def _unit(value, path: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise invalid(path, value, "a finite number in [0, 1]")
-    return float(value)
+    return None if value is None else finite_number(path, value, 0.0, 1.0)
 
 
 def _target_sparsity(value, path: str) -> float | None:

@@ -6,11 +6,8 @@ import math
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
+from ..config import finite_number, is_finite_number
 from ..errors import invalid
-
-
-def _finite(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -37,16 +34,15 @@ class SkipCalibration:
 
     def __post_init__(self):
         for name in ("a", "b"):
-            value = getattr(self, name)
-            if not _finite(value) or value <= 0:
-                raise invalid(f"calibration.{name}", value, "a finite number > 0 (factor = a * exp(b * s))")
+            finite_number(f"calibration.{name}", getattr(self, name), above=0.0,
+                          valid="a finite number > 0 (factor = a * exp(b * s))")
         for name in ("target_sparsity", "disabled_until_timestep"):
             value = getattr(self, name)
-            if value is not None and not (_finite(value) and 0.0 <= value <= 1.0):
-                raise invalid(f"calibration.{name}", value, "a finite number in [0, 1] or None")
+            if value is not None:
+                finite_number(f"calibration.{name}", value, 0.0, 1.0, valid="a finite number in [0, 1] or None")
         if self.sparsity_range is not None:
             lo_hi = tuple(self.sparsity_range)
-            if len(lo_hi) != 2 or not all(_finite(x) for x in lo_hi) or not 0.0 <= lo_hi[0] <= lo_hi[1] <= 1.0:
+            if len(lo_hi) != 2 or not all(map(is_finite_number, lo_hi)) or not 0.0 <= lo_hi[0] <= lo_hi[1] <= 1.0:
                 raise invalid("calibration.sparsity_range", self.sparsity_range, "(low, high) with 0 <= low <= high <= 1")
             object.__setattr__(self, "sparsity_range", (float(lo_hi[0]), float(lo_hi[1])))
         object.__setattr__(self, "ignore", tuple(self.ignore))

@@ -24,11 +24,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .numerics import QK_TORCH_DTYPES
+
 FMHA_V2 = "trtllm_fmha_v2_prefill"
 TRTLLM_GEN = "trtllm_ragged_attention_deepseek"
 SAGE_QUANTIZE = "trtllm_sage_attention_quantize"
 
-SAGE_TORCH_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 SAGE_V_BLOCK = 1  # V scales are per channel: one scale per (head, channel), i.e. blocks of one element
 SAGE_P_BLOCK = 0  # no P scale tensor: the kernel quantizes P itself
 
@@ -130,7 +131,7 @@ def sage_quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index:
     """
     return KernelCall(SAGE_QUANTIZE, dict(
         query=q, key=k, value=v, q_block_size=q_block_size, k_block_size=k_block_size,
-        qk_quant_dtype=SAGE_TORCH_DTYPES[dtype_qk], cum_seq_lens_q=index.cum_seq_lens_q,
+        qk_quant_dtype=QK_TORCH_DTYPES[dtype_qk], cum_seq_lens_q=index.cum_seq_lens_q,
         cum_seq_lens_kv=index.cum_seq_lens_kv, smooth_k=True))
 
 

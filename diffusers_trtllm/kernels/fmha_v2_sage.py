@@ -40,10 +40,10 @@ from typing import NamedTuple
 import torch
 
 from . import triton_sage
+from .numerics import HEAD_DIM
 
 logger = logging.getLogger("diffusers_trtllm")
 
-HEAD_DIM = 128
 Q_BLOCK = 64  # the kernel's query step per warpgroup: Q scale blocks must be a multiple of it
 K_BLOCKS = (0, 64, 128)  # compiled K scale blocks (0: one scale per sequence and head, folded into Q's)
 KV_STEPS = (256, 128)  # keys per KV step: FlashInfer's choice for e4m3, and a finer one for Skip-Softmax

@@ -54,9 +54,7 @@ from typing import NamedTuple
 
 import torch
 
-FP8_MAX = 448.0
-INT8_MAX = 127.0
-P_SCALE = FP8_MAX  # P in [0, 1] enters P·V as fp8(P * 448)
+from .numerics import FP8_MAX, HEAD_DIM, P_SCALE, QK_TORCH_DTYPES, TINY_SCALE, head_dim_mismatch, qmax
 
 try:
     import triton
@@ -64,8 +62,6 @@ try:
 except ImportError:  # CPU-only torch wheels ship without Triton; the module still answers why it cannot run
     triton = tl = None
 
-HEAD_DIM = 128
-TINY_SCALE = 1e-12  # same floor as quant._TINY: an all-zero block keeps a finite scale
 V_TOKEN_ALIGN = 16  # each sequence's V^T columns start on a 16-byte boundary, so V loads vectorize
 QUANTIZE_TOKENS = 64  # tokens per program of the quantization pass (raised to the Q/K block when larger)
 # The K/V reduction: tokens per chunk, and chunks one program folds before its atomics (128 × 4 took 0.77 ms at
@@ -228,10 +224,6 @@ def v_columns(tokens: int, batch: int) -> int:
     return V_TOKEN_ALIGN * (-(-tokens // V_TOKEN_ALIGN) + batch)
 
 
-def qk_torch_dtype(dtype_qk: str) -> torch.dtype:
-    return torch.int8 if dtype_qk == "int8" else torch.float8_e4m3fn
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -248,8 +240,9 @@ def triton_sage_unavailable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return "the Triton SAGE kernel needs Triton, which is not installed (it ships with CUDA builds of PyTorch)"
     if causal:
         return "the Triton SAGE kernel implements non-causal attention only"
-    if q.shape[-1] != HEAD_DIM or k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
-        return f"the Triton SAGE kernel needs head_dim {HEAD_DIM}; got {q.shape[-1]}"
+    mismatch = head_dim_mismatch(q, k, v)
+    if mismatch is not None:
+        return f"the Triton SAGE kernel needs head_dim {HEAD_DIM}; {mismatch}"
     dtypes = {q.dtype, k.dtype, v.dtype}
     if len(dtypes) != 1 or q.dtype not in (torch.bfloat16, torch.float16):
         return f"the Triton SAGE kernel takes bf16 or fp16 q, k, v of one dtype; got {sorted(map(str, dtypes))}"
@@ -297,7 +290,7 @@ def quantize_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         targets.q.stride(0), targets.q.stride(1), targets.k.stride(0), targets.k.stride(1),
         targets.v.stride(0), targets.v.stride(1), head_stride(targets.q_scale), seq_stride(targets.q_scale),
         head_stride(k_scale), seq_stride(k_scale), q_chunks, heads_q, heads_kv,
-        QMAX=INT8_MAX if dtype_qk == "int8" else FP8_MAX, QK_INT8=dtype_qk == "int8",
+        QMAX=qmax(dtype_qk), QK_INT8=dtype_qk == "int8",
         Q_BLOCK=q_block, K_BLOCK=k_block, SCALES_BY_SEQUENCE=targets.scales_by_sequence,
         V_TRANSPOSED=targets.v_transposed, V_FMHA_V2_ORDER=targets.v_fmha_v2_order, TOKENS=tokens, HEAD_DIM=HEAD_DIM, num_warps=4 if tokens <= 64 else 8)
 
@@ -310,7 +303,7 @@ def sage_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     batch, heads_q, heads_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
     device = q.device
-    value_dtype = qk_torch_dtype(dtype_qk)
+    value_dtype = QK_TORCH_DTYPES[dtype_qk]
     out = SageQuantized(
         q=torch.empty(q.shape, dtype=value_dtype, device=device),
         q_scale=torch.empty(heads_q, scale_columns(q.shape[0], batch, q_block), dtype=torch.float32, device=device),
