@@ -185,12 +185,30 @@ class CallPlanner:
         # The skip factor's value does not change what can run, only whether it skips: plan with "skips".
         kernel = KernelPlan(backend=spec.backend, scale=layout.head_dim ** -0.5, causal=traits.causal,
                             skip_factor=1.0 if skip is not None else 0.0, quant=quant)
+        qkv = VarlenQKV(probe, probe_kv, probe_kv, (1,), (1,))
         try:
-            choice = select_backend(spec.backend, kernel, VarlenQKV(probe, probe_kv, probe_kv, (1,), (1,)))
+            choice = select_backend(spec.backend, kernel, qkv)
         except BackendUnavailableError as e:
-            raise BackendUnavailableError(
-                f"{site.qualified_layer} ({site.role} attention, per_role key {key!r}): {e}. Fix: give this "
-                f"role a backend that runs it, e.g. per_role {{{site.role!r}: {{\"backend\": \"auto\"}}}}") from None
+            from .backends.base import get_backend  # local: the module's import lines belong to another edit
+            from .config import AUTO
+
+            non_causal = KernelPlan(backend=spec.backend, scale=kernel.scale)
+            # A dense causal role (Cosmos 3's text stream) left to a default that runs non-causal attention only
+            # (TRTLLM_ATTN) runs on what auto picks for it, said once: vLLM-Omni's config parser drops a per_role
+            # "auto" entry, so asking users to add one would leave them no fix there. A per_role backend for the
+            # role is an explicit choice and raises.
+            if not (key == "default" and traits.causal and skip is None and quant is None and spec.backend != AUTO
+                    and get_backend(spec.backend).unavailable_reason(non_causal, qkv) is None):
+                fix = "TORCH_SDPA" if traits.causal else AUTO
+                raise BackendUnavailableError(
+                    f"{site.qualified_layer} ({site.role} attention, per_role key {key!r}): {e}. Fix: give this "
+                    f"role a backend that runs it, e.g. per_role {{{site.role!r}: {{\"backend\": \"{fix}\"}}}}"
+                ) from None
+            choice = select_backend(AUTO, kernel, qkv)
+            self.warn_once(f"causal-default-{site.role}", (
+                f"diffusers_trtllm: {site.role!r} attention is causal and the default backend {spec.backend} runs "
+                f"non-causal attention only, so {site.role!r} runs dense on {choice.name}; a per_role entry for "
+                f"{site.role!r} chooses its backend instead"))
         requested_skip = skip
         if choice.dropped:
             skip, quant, calibration = None, None, None

@@ -113,7 +113,16 @@ def _share_query_key(q_proj, k_proj, q_norm, k_norm, head_dim: int, qk_gain: flo
 
 
 HUNYUAN15_TINY_LATENT_CHANNELS = 4
-HUNYUAN15_TINY_SYSTEM_MESSAGE = "Describe the video."
+# HunyuanVideo15Pipeline crops this many tokens off the front of the chat (prompt_template_encode_start_idx): the
+# system turn as the real Qwen2.5-VL tokenizer encodes it.
+HUNYUAN15_SYSTEM_TOKENS = 108
+# The character tokenizer renders the system turn as exactly those tokens (its first 107 characters, padded, and a
+# newline), so the crop leaves the user's prompt, as in the real model. The template is saved with the tokenizer,
+# so a pipeline saved and loaded by path encodes prompts alike.
+HUNYUAN15_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    f"{{{{ (message['content'] ~ ' ' * {HUNYUAN15_SYSTEM_TOKENS})[:{HUNYUAN15_SYSTEM_TOKENS - 1}] }}}}\n"
+    "{% else %}{{ message['content'] }}\n{% endif %}{% endfor %}")
 
 
 def tiny_hunyuan_video15_transformer(seed: int = 0, *, qk_gain: float = 1.0, **overrides):
@@ -136,13 +145,15 @@ def tiny_hunyuan_video15_transformer(seed: int = 0, *, qk_gain: float = 1.0, **o
     return model
 
 
-def tiny_hunyuan_video15_pipeline(seed: int = 0, *, qk_gain: float = 4.0, text_tokens: int = 48,
-                                  glyph_tokens: int = 16, image_tokens: int = 4):
+def tiny_hunyuan_video15_pipeline(seed: int = 0, *, qk_gain: float = 4.0):
     """A HunyuanVideo 1.5 text-to-video pipeline built in code: tiny Qwen2.5-VL text model behind a character
     tokenizer with a chat template (Qwen2Tokenizer's vocabulary would need a download), ByT5 tokenizer (built
     without files) with a tiny T5 encoder, tiny VAE (16× spatial, 4× temporal), flow-matching Euler with shift 7
-    (the 720p setting), CFG guider. Text lengths are shrunk on the pipeline instance: ``text_tokens`` MLLM tokens
-    after cropping the (short) system message, ``glyph_tokens`` ByT5 tokens, ``image_tokens`` image tokens.
+    (the 720p setting), CFG guider. The text paths keep the pipeline's own lengths (1000 MLLM, 256 ByT5 and 729
+    image tokens, the real model's): the pipeline sets them in ``__init__`` and saves none of them, so only these
+    survive ``save_pretrained`` / ``from_pretrained``. Attention sees the valid tokens only: the prompt's
+    characters (the chat template's system turn is what the pipeline crops); a prompt without quoted glyph text
+    has no ByT5 tokens, and text-to-video no image tokens.
     The VAE decodes one video at a time (diffusers 0.42.1's HunyuanVideo 1.5 VAE attention breaks for batch > 1;
     use ``output_type="latent"`` for batches)."""
     from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
@@ -158,15 +169,12 @@ def tiny_hunyuan_video15_pipeline(seed: int = 0, *, qk_gain: float = 4.0, text_t
                                              relative_attention_num_buckets=8)).eval()
     vae = AutoencoderKLHunyuanVideo15(latent_channels=HUNYUAN15_TINY_LATENT_CHANNELS,
                                       block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1).eval()
-    pipe = HunyuanVideo15Pipeline(
-        text_encoder=text_encoder, tokenizer=chat_byte_tokenizer(4096), text_encoder_2=text_encoder_2,
+    tokenizer = byte_tokenizer(4096)
+    tokenizer.chat_template = HUNYUAN15_CHAT_TEMPLATE
+    return HunyuanVideo15Pipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
         tokenizer_2=ByT5Tokenizer(), vae=vae, transformer=tiny_hunyuan_video15_transformer(seed, qk_gain=qk_gain),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), guider=ClassifierFreeGuidance(guidance_scale=6.0))
-    pipe.system_message = HUNYUAN15_TINY_SYSTEM_MESSAGE
-    pipe.prompt_template_encode_start_idx = len(HUNYUAN15_TINY_SYSTEM_MESSAGE) + 1  # crop "<system>\n" as the real one
-    pipe.tokenizer_max_length = text_tokens
-    pipe.tokenizer_2_max_length = glyph_tokens
-    pipe.vision_num_semantic_tokens = image_tokens
     return pipe
 
 

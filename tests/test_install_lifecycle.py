@@ -1,10 +1,10 @@
 """Installing, reinstalling and restoring processors; what ``auto`` drops on a CPU; pipeline calls restart the step
 count; statistics stay bounded over many calls; refusals with the fix in the message."""
 
+import argparse
 import gc
 import tracemalloc
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +14,10 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from diffusers_trtllm import (AttentionConfigError, BackendUnavailableError, WanTrtllmAttnProcessor,
                               enable_trtllm_attention)
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
+from diffusers_trtllm.cli import add_attention_args, config_from_args
 from diffusers_trtllm.tiny_pipelines import TINY_TEXT_DIM, tiny_cosmos3_transformer, tiny_wan22_pipeline
 
-from helpers import tiny_wan
+from helpers import LoopPipeline, cosmos3_transformer_call, tiny_wan
 
 
 def tiny_call_inputs():
@@ -125,9 +126,7 @@ def test_each_pipeline_call_starts_at_step_zero():
 def test_memory_stays_flat_over_a_thousand_calls():
     """200 scheduler-driven "pipeline calls" of 5 steps (1000 transformer calls): the statistics hold the last
     call only and nothing else grows."""
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    model = tiny_wan()
-    pipe = SimpleNamespace(transformer=model, scheduler=scheduler)  # what install reads of a pipeline
+    pipe = LoopPipeline(tiny_wan(), FlowMatchEulerDiscreteScheduler(shift=3.0))
     config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.3,
                                                                          "disabled_until_timestep": 0.5}}}
     inputs = tiny_call_inputs()
@@ -136,11 +135,7 @@ def test_memory_stays_flat_over_a_thousand_calls():
     try:
         with enable_trtllm_attention(pipe, config) as handle, torch.no_grad():
             def pipeline_call():
-                scheduler.set_timesteps(5)
-                latents = inputs["hidden_states"]
-                for t in scheduler.timesteps:
-                    model(**inputs)
-                    latents = scheduler.step(torch.zeros_like(latents), t, latents).prev_sample
+                pipe(inputs, steps=5)
                 assert len(handle.stats.per_step()) == 5
 
             for _ in range(20):
@@ -154,16 +149,47 @@ def test_memory_stays_flat_over_a_thousand_calls():
             growth = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
             tracemalloc.stop()
             stats = handle.stats
-            assert len(stats.records) <= 5 * len(handle.planner.calls) and not stats._pending
+            assert len(stats.records) <= 5 * len(handle.planner.calls) and not stats._steps
     finally:
         torch.set_num_threads(threads)
     assert growth < 64 * 1024, f"{growth} bytes more after 900 calls"
 
 
-def test_cosmos3_explicit_trtllm_default_refuses_the_causal_stream_at_install(monkeypatch):
+COSMOS3_CAUSAL_ON_SDPA = ("'und_causal' attention is causal and the default backend TRTLLM_ATTN runs non-causal "
+                          "attention only, so 'und_causal' runs dense on TORCH_SDPA")
+
+
+@pytest.mark.parametrize("given", ["python", "cli flag"])
+def test_cosmos3_trtllm_default_runs_the_causal_stream_on_sdpa_and_says_so_once(given, monkeypatch):
+    """The causal text stream never takes Skip-Softmax or SAGE: under a TRTLLM_ATTN default it runs on TORCH_SDPA,
+    whether the default comes from the Python API or the CLI flag (vLLM-Omni's config: tests/vllm_omni_plugin)."""
     monkeypatch.setenv(TRTLLM_ON_REFERENCE_ENV, "1")
-    with pytest.raises(BackendUnavailableError, match=r"und_causal attention.*Fix: .*'und_causal'.*auto"):
-        enable_trtllm_attention(tiny_cosmos3_transformer(), {"default": {"backend": "TRTLLM_ATTN"}})
+    config = ({"default": {"backend": "TRTLLM_ATTN", "skip_softmax": {"threshold": 0.3}}} if given == "python" else
+              config_from_args(add_attention_args(argparse.ArgumentParser()).parse_args(
+                  ["--diffusion-attention-backend", "trtllm-gen"]), environ={}))
+    model, inputs = cosmos3_transformer_call()
+    with warnings.catch_warnings(record=True, action="default") as caught, \
+            enable_trtllm_attention(model, config) as handle, torch.no_grad():
+            model(**inputs)
+            model(**inputs)
+    assert [str(w.message) for w in caught if "und_causal" in str(w.message)] == [
+        f"diffusers_trtllm: {COSMOS3_CAUSAL_ON_SDPA}; a per_role entry for 'und_causal' chooses its backend instead"]
+    backends = {(site.role, call.backend) for site, call in handle.planner.calls.items()}
+    assert backends == {("und_causal", "TORCH_SDPA"), ("gen_full", "TRTLLM_ATTN")}
+    assert set(handle.stats.modes()[0]) == {"TORCH_SDPA:dense", "TRTLLM_ATTN:skip" if given == "python" else
+                                            "TRTLLM_ATTN:dense"}
+
+
+@pytest.mark.parametrize("per_role", [{"und_causal": {"backend": "TRTLLM_ATTN"}},
+                                      {"self": {"backend": "TRTLLM_ATTN"}}], ids=["role", "category"])
+def test_cosmos3_causal_stream_given_trtllm_by_per_role_is_refused_at_install(per_role, monkeypatch):
+    monkeypatch.setenv(TRTLLM_ON_REFERENCE_ENV, "1")
+    with pytest.raises(BackendUnavailableError,
+                       match=r"und_causal attention, per_role key '(und_causal|self)'\): backend TRTLLM_ATTN cannot run "
+                             r"this attention: TRTLLM_ATTN runs non-causal attention only.*Fix: .*"
+                             r"\{'und_causal': \{\"backend\": \"TORCH_SDPA\"\}\}"):
+        enable_trtllm_attention(tiny_cosmos3_transformer(), {"default": {"backend": "TRTLLM_ATTN"},
+                                                             "per_role": per_role})
 
 
 def test_cosmos3_explicit_trtllm_default_refuses_the_causal_stream_on_cpu():

@@ -6,9 +6,9 @@ dimension, no masks; the pipeline calls the transformer once per CFG pass), with
 
 - ``und_causal`` (category ``self``): the understanding (text) stream attends causally to itself. It always runs
   dense and unquantized, whatever the config says (a causal text prefix is not where Skip-Softmax or SAGE were
-  validated). ``TRTLLM_ATTN`` runs non-causal attention only: with an explicit ``TRTLLM_ATTN`` default, give this
-  role a backend that runs causal attention, ``{"per_role": {"und_causal": {"backend": "auto"}}}`` (install
-  raises otherwise, saying so).
+  validated). ``TRTLLM_ATTN`` runs non-causal attention only, so under a ``TRTLLM_ATTN`` default this role runs
+  on ``TORCH_SDPA``, said once at install; a ``per_role`` entry for ``und_causal`` (or its category ``self``)
+  chooses its backend instead, and one that cannot run causal attention is refused at install.
 - ``gen_full`` (category ``joint``): the generation stream (vision, sound, action tokens) attends, non-causally,
   to the text keys and its own keys. Skip-Softmax and SAGE apply here.
 
