@@ -14,16 +14,18 @@ A flag and its variable may both be set only to the same value; the ``--trtllm-g
 default spec and may not contradict ``--diffusion-attention-config``. Their backend: ``TRTLLM_ATTN`` when no
 backend is given (neither ``--diffusion-attention-backend`` nor a non-``auto`` default in the config: the design
 document's usage); otherwise the given one when it has the feature (``TRTLLM_ATTN``, ``TORCH_REFERENCE``,
-``auto``); ``TORCH_SDPA`` (dense only) refuses them.
+``auto``); ``TORCH_SDPA`` (dense only) refuses them. An invalid value is refused naming the flag or variable
+it came from.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from .config import (AUTO, FEATURE_BACKENDS, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec,
                      SkipSoftmaxSpec, canonical_backend)
@@ -48,7 +50,7 @@ def add_attention_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument(FLAGS["diffusion_attention_backend"][0], default=None, metavar="NAME",
                        help="TRTLLM_ATTN (alias trtllm-gen), TORCH_SDPA, TORCH_REFERENCE or auto")
     group.add_argument(FLAGS["diffusion_attention_config"][0], default=None, metavar="JSON",
-                       help='e.g. {"default":{"backend":"TRTLLM_ATTN","skip_softmax":{"target_sparsity":0.65}}}')
+                       help='e.g. {"default":{"backend":"TRTLLM_ATTN","skip_softmax":{"target_sparsity":0.3}}}')
     group.add_argument(FLAGS["trtllm_gen_sage"][0], action="store_true", default=None,
                        help="FP8 SAGE quantization on the GPU's fastest kernel (block sizes unset; logged once)")
     group.add_argument(FLAGS["trtllm_gen_target_sparsity"][0], type=float, default=None, metavar="S",
@@ -84,16 +86,33 @@ def _setting(args: argparse.Namespace | None, environ: Mapping[str, str], dest: 
     return from_flag if from_flag is not None else from_env
 
 
+def _source(args: argparse.Namespace | None, dest: str) -> str:
+    """Where a setting came from, as an error names it: the flag, else its environment variable."""
+    flag, var = FLAGS[dest]
+    return flag if args is not None and getattr(args, dest, None) is not None else f"{var} (environment variable)"
+
+
+@contextlib.contextmanager
+def _named(source: str) -> Iterator[None]:
+    """Prefix a configuration error raised inside with the flag or variable whose value it is about."""
+    try:
+        yield
+    except AttentionConfigError as e:
+        raise AttentionConfigError(f"{source}: {e}") from None
+
+
 def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
                      ) -> AttentionConfig:
     """Build the config from parsed flags (see :func:`add_attention_args`) and environment variables."""
     environ = os.environ if environ is None else environ
     get = {dest: _setting(args, environ, dest) for dest in FLAGS}
-    config = AttentionConfig.coerce(get["diffusion_attention_config"])
+    with _named(_source(args, "diffusion_attention_config")):
+        config = AttentionConfig.coerce(get["diffusion_attention_config"])
     default = config.default
     backend = get["diffusion_attention_backend"]
     if backend is not None:
-        backend = canonical_backend(backend)
+        with _named(_source(args, "diffusion_attention_backend")):
+            backend = canonical_backend(backend)
         if get["diffusion_attention_config"] is not None and default.backend not in (AUTO, backend):
             raise AttentionConfigError(
                 f"--diffusion-attention-backend={backend} contradicts the config's default backend "
@@ -120,6 +139,9 @@ def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[st
         skip_fields = {"target_sparsity": shortcuts.get("trtllm_gen_target_sparsity"),
                        "disabled_until_timestep": shortcuts.get("trtllm_gen_disabled_until_timestep")}
         skip_fields = {k: v for k, v in skip_fields.items() if v is not None}
+        for field, value in skip_fields.items():  # each value on its own, naming where it came from
+            with _named(_source(args, f"trtllm_gen_{field}")):
+                SkipSoftmaxSpec(**{field: value})
         if skip_fields:
             current = dataclasses.asdict(skip) if skip is not None else {}
             clash = {k: v for k, v in skip_fields.items() if k in current and current[k] not in (None, 0.0, v)}

@@ -23,10 +23,10 @@ from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
 from diffusers_trtllm.backends.trtllm import device_unavailable_reason
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN
 from diffusers_trtllm.kernels.triton_sage import SKIP_PAYS_FROM
-from evaluation import (VideoShape, describe_config, export_frames, find_model, generate_frames, load_model,
-                        open_gate)
-from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
-                            require_packages, user_errors)
+from evaluation import (VideoShape, describe_config, export_frames, generate_frames, load_model, open_gate,
+                        resolve_model)
+from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_shape,
+                            default_device, plain_warnings, positive_int, require_packages, user_errors)
 
 REFERENCE_LABEL = "dense (TORCH_SDPA)"
 WARMUP_STEPS = 1
@@ -68,13 +68,15 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
 
 
 def main(argv=None) -> list[dict]:
+    plain_warnings()
     args, parser = parse_args(argv)
     device = check_device(parser, args.device)
     backend = args.backend or (TRTLLM_ATTN if device_unavailable_reason(device) is None else TORCH_REFERENCE)
-    with user_errors(parser):  # a bad backend, λ, D or model name stops here, before any video
+    with user_errors(parser):  # a bad backend, λ, D or model stops here, before any video
         configs = demo_configs(backend, args.threshold, args.gate)
-        if args.model is not None and not Path(args.model).is_dir():
-            find_model(args.model)
+        entry, folder = resolve_model(args.model)
+    shape = VideoShape(args.height, args.width, args.frames, args.steps)
+    check_shape(parser, entry, shape)
     check_backends(parser, list(configs.values()), device)
     if args.output_dir is not None:
         require_packages(parser, "--output-dir (MP4 export)", "imageio", "imageio_ffmpeg")
@@ -82,9 +84,9 @@ def main(argv=None) -> list[dict]:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with user_errors(parser):
-        entry, pipe = load_model(args.model, tiny=args.model is None, device=args.device, dtype=dtype)
+        pipe = load_model(entry, folder, tiny=args.model is None, device=args.device, dtype=dtype)
+    check_installs(parser, pipe, list(configs.values()))
     pipe.set_progress_bar_config(desc="denoising", leave=False)
-    shape = VideoShape(args.height, args.width, args.frames, args.steps)
     model_name = entry.name + (" (tiny, random weights)" if args.model is None else "")
     print(f"{model_name}: {shape.height}×{shape.width}, {shape.frames} frames, {shape.steps} steps, seed "
           f"{args.seed}, {device}; {len(configs)} attention configurations, each timed after an untimed "

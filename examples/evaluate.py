@@ -9,9 +9,10 @@ no speed-up: TORCH_REFERENCE's time is not a kernel's::
 
     python examples/evaluate.py                     # writes evaluation_out/
 
-A real model on a GPU (TRTLLM_ATTN; a calibrated checkpoint for --target-sparsity, or λ with --threshold)::
+A real model on a GPU (TRTLLM_ATTN), Skip-Softmax by λ; ``--source FOLDER --target-sparsity S`` instead
+evaluates a pipeline folder that ``examples/calibrate.py`` calibrated, at the target S it printed::
 
-    python examples/evaluate.py --model Wan-AI/Wan2.2-T2V-A14B-Diffusers --target-sparsity 0.5 --output-dir eval_wan
+    python examples/evaluate.py --model Wan-AI/Wan2.2-T2V-A14B-Diffusers --threshold 0.3 --output-dir eval_wan
 
 Writes ``tables.md`` (the plan's Steps 1-4 and what ran per step and layer), ``results.json``,
 ``quality_vs_speedup.png``, ``sparsity.png`` (when any configuration counted skipped tiles) and, with
@@ -32,13 +33,14 @@ from tqdm.auto import tqdm
 
 from diffusers_trtllm import enable_trtllm_attention
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AttnQuantSpec, canonical_backend
-from evaluation import (MODELS, PLAN_GATES, EvalConfig, LpipsScorer, ModelEntry, RunRecord, TransformerTimer,
-                        VideoShape, backend_label, describe_attention_plan, export_frames, find_model,
-                        generate_frames, load_pipeline, plan_tables, plot_quality_vs_speedup, plot_sparsity, psnr,
-                        sageattention_peer, sageattention_unavailable_reason, skip_settings, sparsity_grid, ssim,
-                        synchronize, test_plan_configs)
-from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
-                            require_packages, user_errors)
+from evaluation import (MODELS, PLAN_GATES, EvalConfig, LpipsScorer, ModelEntry, ModelLoadError, RunRecord,
+                        TransformerTimer, VideoShape, backend_label, describe_attention_plan, export_frames,
+                        find_model, generate_frames, load_pipeline, plan_tables, plot_quality_vs_speedup,
+                        plot_sparsity, psnr, resolve_model, sageattention_peer, sageattention_unavailable_reason,
+                        skip_settings, sparsity_grid, ssim, synchronize, test_plan_configs)
+from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_shape,
+                            default_device, plain_warnings, positive_int, require_packages, user_errors)
+from evaluation.models import looks_like_a_path
 
 DEFAULT_PROMPT = "A red fox runs through fresh snow at dawn, cinematic"
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "FP32"}
@@ -50,8 +52,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
                         help=f"model id or alias, one of {[e.model_id for e in MODELS.values()]} "
-                             "(default: tiny Wan 2.2)")
-    parser.add_argument("--source", default=None, help="local path of the pretrained pipeline (default: --model)")
+                             "(default: the model --source holds, else tiny Wan 2.2)")
+    parser.add_argument("--source", default=None,
+                        help="pipeline folder (or Hub id) to load the model from (default: --model's id)")
     parser.add_argument("--tiny", action="store_true", help="the model's tiny random pipeline (the default "
                         "when --model is not given)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -76,10 +79,29 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser.add_argument("--output-dir", type=Path, default=Path("evaluation_out"))
     parser.add_argument("--save-videos", action="store_true", help="write one MP4 per configuration")
     args = parser.parse_args(argv)
-    args.tiny = args.tiny or args.model is None
+    if args.tiny and args.source is not None:
+        parser.error(f"--tiny builds a random pipeline and --source {args.source} loads one: give one of them")
+    args.tiny = args.tiny or (args.model is None and args.source is None)
     if args.threshold is None and args.target_sparsity is None:
         args.threshold = 0.5
     return args, parser
+
+
+def model_entry(model: str | None, source: str | None) -> ModelEntry:
+    """The model evaluated: ``--model``'s, or the one ``--source`` holds (a pipeline folder's class, or a known
+    id); both given must agree where the folder tells."""
+    named = find_model(model) if model is not None else None
+    if source is None:
+        return named or next(iter(MODELS.values()))
+    try:
+        held, _ = resolve_model(source, "--source")
+    except ModelLoadError:
+        if named is None or looks_like_a_path(source) or Path(source).expanduser().exists():
+            raise
+        return named  # a Hub id that --model says which model it is
+    if named is not None and held is not named:
+        raise ModelLoadError(f"--source {source} holds {held.name} but --model {model} is {named.name}")
+    return held
 
 
 def run_shape(entry: ModelEntry, args) -> VideoShape:
@@ -121,25 +143,28 @@ def run_config(pipe, entry: ModelEntry, config: EvalConfig, shape: VideoShape, a
 
 
 def main(argv=None) -> dict:
+    plain_warnings()
     args, parser = parse_args(argv)
     device = check_device(parser, args.device)
     on_cuda = device.type == "cuda"
     dtype = torch.bfloat16 if on_cuda else torch.float32
     with user_errors(parser):  # model, backend, λ / target and gates are checked before any video
-        entry = find_model(args.model) if args.model else next(iter(MODELS.values()))
+        entry = model_entry(args.model, args.source)
         backend = canonical_backend(args.backend) if args.backend else (TRTLLM_ATTN if on_cuda else TORCH_REFERENCE)
         skip = skip_settings(args.threshold, args.target_sparsity)
         configs = test_plan_configs(backend, skip, gates=args.gates, sage=AttnQuantSpec(dtype_qk=args.sage_dtype),
                                     sdpa_roles=entry.sdpa_roles, dtype_name=DTYPE_NAMES[dtype])
+    shape = run_shape(entry, args)
+    check_shape(parser, entry, shape)
     check_backends(parser, [c.config for c in configs], device)
     require_packages(parser, "the plots", "matplotlib")
     if args.save_videos:
         require_packages(parser, "--save-videos (MP4 export)", "imageio", "imageio_ffmpeg")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    shape = run_shape(entry, args)
     model_name = entry.name + (" (tiny, random weights)" if args.tiny else "")
     with user_errors(parser):
         pipe = load_pipeline(entry, tiny=args.tiny, device=args.device, dtype=dtype, source=args.source)
+    check_installs(parser, pipe, [c.config for c in configs])  # e.g. a target sparsity without a calibration
     pipe.set_progress_bar_config(leave=False, desc="denoising")
     lpips = LpipsScorer(args.device)
     args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -5,20 +5,19 @@ Offline (no --model, or --tiny): the model's tiny randomly initialised pipeline,
 
     python examples/generate.py --output fox.mp4 --diffusion-attention-backend TORCH_REFERENCE
 
-A pipeline folder written by ``examples/calibrate.py`` (its curves are read from the transformers'
-``config.json``; the shape defaults to the one it was calibrated at)::
+A target sparsity needs a calibrated curve: a pipeline folder written by ``examples/calibrate.py`` (its curves
+are read from the transformers' ``config.json``; the shape defaults to the one it was calibrated at). Its last
+line prints this command with a target inside the sparsity it observed (0.3 for its defaults)::
 
-    python examples/calibrate.py --output-dir calibrated_tiny
+    python examples/calibrate.py
     python examples/generate.py --model calibrated_tiny --diffusion-attention-backend TORCH_REFERENCE \\
-        --trtllm-gen-target-sparsity 0.5
+        --trtllm-gen-target-sparsity 0.3
 
-A real model on a GPU::
+A real model on a GPU: FP8 SAGE, dense while t > 0.86 and Skip-Softmax by λ after, cross-attention on cuDNN::
 
-    python examples/generate.py --model Wan-AI/Wan2.2-T2V-A14B-Diffusers --output fox.mp4 \\
-        --diffusion-attention-backend trtllm-gen --trtllm-gen-sage \\
-        --trtllm-gen-target-sparsity 0.5 --trtllm-gen-disabled-until-timestep 0.86
     DIFFUSION_ATTENTION_CONFIG='{"default": {"backend": "TRTLLM_ATTN", "skip_softmax": {"threshold": 0.3}},
-        "per_role": {"cross": {"backend": "TORCH_SDPA"}}}' python examples/generate.py --model wan --output fox.mp4
+        "per_role": {"cross": {"backend": "TORCH_SDPA"}}}' python examples/generate.py --model wan \\
+        --output fox.mp4 --trtllm-gen-sage --trtllm-gen-disabled-until-timestep 0.86
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ from diffusers_trtllm import add_attention_args, config_from_args, enable_trtllm
 from diffusers_trtllm.calibration import calibrations_from_pretrained
 from diffusers_trtllm.calibration.checkpoint import PIPELINE_COMPONENTS, SIDECAR_NAME
 from evaluation import (MODELS, TransformerTimer, VideoShape, describe_attention_plan, describe_config,
-                        export_frames, find_model, format_number, generate_frames, load_model, synchronize)
-from evaluation.cli import (ArgumentParser, check_backends, check_device, default_device, positive_int,
-                            require_packages, user_errors)
+                        export_frames, format_number, generate_frames, load_model, resolve_model, synchronize)
+from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_shape,
+                            default_device, plain_warnings, positive_int, require_packages, user_errors)
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
@@ -56,10 +55,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--output", type=Path, default=Path("output.mp4"), help="MP4 to write")
     add_attention_args(parser)
-    args = parser.parse_args(argv)
-    args.folder = Path(args.model) if args.model is not None and Path(args.model).is_dir() else None
-    args.tiny = (args.tiny or args.model is None) and args.folder is None
-    return args, parser
+    return parser.parse_args(argv), parser
 
 
 def calibrated_shape(folder: Path) -> VideoShape | None:
@@ -92,28 +88,33 @@ def describe_calibrations(folder: Path, shape: VideoShape | None) -> str:
 
 
 def main(argv=None) -> dict:
+    plain_warnings()
     args, parser = parse_args(argv)
     device = check_device(parser, args.device)
-    with user_errors(parser):  # flags and environment variables: a contradiction stops here, before loading
+    with user_errors(parser):  # flags, environment variables and the model: a mistake stops here, before loading
         config = config_from_args(args)
-        if args.model is not None and args.folder is None:
-            find_model(args.model)  # an unknown name too
+        entry, folder = resolve_model(args.model)
+    if args.tiny and folder is not None:
+        parser.error(f"--tiny builds a random pipeline and --model {args.model} is a pipeline folder: give one")
+    args.tiny = args.tiny or args.model is None
+    checkpoint_shape = calibrated_shape(folder) if folder is not None else None
+    default = checkpoint_shape or (entry.tiny_shape if args.tiny else entry.shape)
+    shape = VideoShape(args.height or default.height, args.width or default.width, args.frames or default.frames,
+                       args.steps or default.steps)
+    check_shape(parser, entry, shape)
     check_backends(parser, [config], device)
     require_packages(parser, "writing the MP4", "imageio", "imageio_ffmpeg")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with user_errors(parser):
-        entry, pipe = load_model(args.model, tiny=args.tiny, device=args.device, dtype=dtype)
-    checkpoint_shape = calibrated_shape(args.folder) if args.folder is not None else None
-    default = checkpoint_shape or (entry.tiny_shape if args.tiny else entry.shape)
-    shape = VideoShape(args.height or default.height, args.width or default.width, args.frames or default.frames,
-                       args.steps or default.steps)
-    source = "tiny, random weights" if args.tiny else str(args.folder or entry.model_id)
+        pipe = load_model(entry, folder, tiny=args.tiny, device=args.device, dtype=dtype)
+    check_installs(parser, pipe, [config])
+    source = "tiny, random weights" if args.tiny else str(folder or entry.model_id)
     print(f"{entry.name} ({source}): {shape.height}×{shape.width}, {shape.frames} frames, {shape.steps} steps, "
           f"seed {args.seed}, {device}")
-    if args.folder is not None:
-        print(describe_calibrations(args.folder, checkpoint_shape))
+    if folder is not None:
+        print(describe_calibrations(folder, checkpoint_shape))
     print(f"attention config: {describe_config(config)}", flush=True)
     pipe.set_progress_bar_config(desc="denoising")
     with user_errors(parser):

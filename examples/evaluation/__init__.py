@@ -6,6 +6,7 @@
 - :mod:`.models`: :data:`MODELS`, the models of the test plan by id (pipeline class, test-plan shape, tiny builder,
   and the real transformer configuration for the random-weight speed run); loading and running a pipeline to
   video frames, exporting them;
+- :mod:`.shapes`: the sizes and frame counts each model takes (:class:`ShapeRule`), checked before any work;
 - :mod:`.timing`: timing its transformer calls (:class:`TransformerTimer`);
 - :mod:`.configs`: the test plan's attention configurations (:func:`test_plan_configs`) and a SageAttention peer
   (:func:`sageattention_peer`), patched in through a temporarily replaced ``TORCH_SDPA`` backend;
@@ -23,17 +24,22 @@ from .configs import (PLAN_GATES, REFERENCE_LABEL, SAGE_ATTN_LABEL, TABLE_BACKEN
                       replaced_backend, sageattention_peer, sageattention_unavailable_reason, skip_settings,
                       test_plan_configs)
 from .metrics import LpipsScorer, psnr, ssim
-from .models import (MODELS, TINY_SHAPE, ModelEntry, ModelLoadError, SpeedRun, VideoShape, entry_for_pipeline,
-                     export_frames, find_model, from_pretrained, generate_frames, load_model, load_pipeline)
+from .models import (MODELS, TINY_SHAPE, ModelEntry, ModelLoadError, SpeedRun, VideoShape, entry_for_folder,
+                     export_frames, find_model, from_pretrained, generate_frames, load_model, load_pipeline,
+                     resolve_model)
 from .reports import (PLAN_TABLES, RESULT_ALIGN, RESULT_COLUMNS, RunRecord, format_number, markdown_table,
                       plan_tables, plot_quality_vs_speedup, plot_sparsity)
+from .shapes import ShapeRule, shape_rule_of
 from .timing import TransformerTimer, synchronize
 from .what_ran import compress_layer_names, describe_attention_plan, sparsity_grid
 
 __all__ = [
     # models
-    "MODELS", "TINY_SHAPE", "ModelEntry", "ModelLoadError", "SpeedRun", "VideoShape", "entry_for_pipeline",
+    "MODELS", "TINY_SHAPE", "ModelEntry", "ModelLoadError", "SpeedRun", "VideoShape", "entry_for_folder",
     "export_frames", "find_model", "from_pretrained", "generate_frames", "load_model", "load_pipeline",
+    "resolve_model",
+    # shapes
+    "ShapeRule", "shape_rule_of",
     # timing
     "TransformerTimer", "synchronize",
     # configs

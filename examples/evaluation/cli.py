@@ -1,6 +1,8 @@
-"""The examples' command-line conventions: a bad flag, configuration value, device, model or missing package is
-one line on stderr and exit status 2 (argparse's ``parser.error``), found before any expensive work where it can
-be (a backend the device cannot run is refused before the first video, not in the middle of one)."""
+"""The examples' command-line conventions: a bad flag, configuration value, shape, device, model or missing
+package is one line on stderr and exit status 2 (argparse's ``parser.error``), found before any expensive work
+where it can be (a shape or backend the model or device cannot take before the model is built; a setting that
+needs the model itself, such as a target sparsity without a calibration, right after it is built, before the
+first video); warnings print as one line without the library's file paths."""
 
 from __future__ import annotations
 
@@ -8,17 +10,18 @@ import argparse
 import contextlib
 import importlib.util
 import os
-from typing import Iterator
+import warnings
+from typing import Iterator, Sequence
 
 import torch
 
-from diffusers_trtllm import AttentionConfig, AttentionConfigError, BackendUnavailableError
+from diffusers_trtllm import AttentionConfig, AttentionConfigError, BackendUnavailableError, enable_trtllm_attention
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.backends.trtllm import device_unavailable_reason
 from diffusers_trtllm.calibration import CalibrationError
 from diffusers_trtllm.config import TRTLLM_ATTN
 
-from .models import ModelLoadError
+from .models import ModelEntry, ModelLoadError, VideoShape
 
 #: what a user can get wrong on the command line; anything else is a bug and keeps its traceback
 USER_ERRORS = (AttentionConfigError, BackendUnavailableError, CalibrationError, ModelLoadError)
@@ -86,3 +89,30 @@ def user_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
         yield
     except USER_ERRORS as e:
         parser.error(str(e).strip().splitlines()[0])
+
+
+def check_shape(parser: argparse.ArgumentParser, entry: ModelEntry, shape: VideoShape) -> None:
+    """``parser.error`` when ``entry``'s model cannot take ``shape`` (its :class:`~.shapes.ShapeRule`)."""
+    problem = entry.shape_rule.problem(entry.name, shape.height, shape.width, shape.frames)
+    if problem is not None:
+        parser.error(problem)
+
+
+def check_installs(parser: argparse.ArgumentParser, pipe, configs: Sequence[AttentionConfig]) -> None:
+    """Install each configuration on ``pipe`` and take it off again, so that what only the model can tell (a
+    target sparsity on a transformer without a calibration, a backend that cannot run one of its layers) is
+    refused before the first video rather than in the middle of a run."""
+    with user_errors(parser):
+        for config in configs:
+            with enable_trtllm_attention(pipe, config, collect_stats=False):
+                pass
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"{category.__name__}: {message}\n"
+
+
+def plain_warnings() -> None:
+    """Print warnings as ``Category: message``: the library file and source line Python adds say nothing to a
+    user of the examples."""
+    warnings.formatwarning = _one_line_warning

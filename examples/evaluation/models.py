@@ -8,12 +8,15 @@ functions that need them.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
+
+from .shapes import ShapeRule
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ class ModelEntry:
     ``sdpa_roles``: roles or categories that stay dense on TORCH_SDPA in every TRT-LLM configuration (Wan's
     cross-attention: 512 text keys, a few percent of attention time, faster on cuDNN than on FMHAv2 and not
     proven on it for fewer queries than keys). ``frames_of`` takes the pipeline output (``output_type="np"``) to
-    one video ``[frames, H, W, C]``.
+    one video ``[frames, H, W, C]``. ``shape_rule``: the sizes and frame counts the model takes (the same for its
+    tiny pipeline; tests/test_cli.py pins it against the built pipelines).
     """
 
     name: str
@@ -99,6 +103,7 @@ class ModelEntry:
     tiny_builder: str
     tiny_shape: VideoShape
     frames_of: Callable
+    shape_rule: ShapeRule
     sdpa_roles: tuple[str, ...] = ()
     speed: SpeedRun | None = None
     tiny_speed: SpeedRun | None = None
@@ -132,7 +137,7 @@ MODELS: dict[str, ModelEntry] = {entry.model_id: entry for entry in (
         pipeline_class="WanPipeline", transformer_class="WanTransformer3DModel",
         shape=VideoShape(720, 1280, 81, 50), fps=16,
         tiny_builder="tiny_wan22_pipeline", tiny_shape=TINY_SHAPE, frames_of=_first_video,
-        sdpa_roles=("cross",),
+        shape_rule=ShapeRule(vae_spatial=8, patch_spatial=2, vae_temporal=4), sdpa_roles=("cross",),
         speed=SpeedRun(_WAN_A14B_CONFIG, VideoShape(720, 1280, 81), (4, 8), (1, 2, 2), (512,), "blocks",
                        _wan_step_inputs),
         tiny_speed=SpeedRun(dict(_WAN_A14B_CONFIG, num_attention_heads=2, attention_head_dim=16, text_dim=32,
@@ -143,6 +148,7 @@ MODELS: dict[str, ModelEntry] = {entry.model_id: entry for entry in (
         aliases=("hunyuan", "hunyuanvideo1.5"), pipeline_class="HunyuanVideo15Pipeline",
         transformer_class="HunyuanVideo15Transformer3DModel", shape=VideoShape(720, 1280, 121, 50), fps=24,
         tiny_builder="tiny_hunyuan_video15_pipeline", tiny_shape=TINY_SHAPE, frames_of=_first_video,
+        shape_rule=ShapeRule(vae_spatial=16, patch_spatial=1, vae_temporal=4),
         # 81 frames: 75,600 video + 1,985 context tokens (~77.6k), the shape DESIGN.md measured; 121 frames
         # (the pipeline's default) would make each step ~1.6× longer than the benchmark's time budget allows.
         speed=SpeedRun(_HUNYUAN15_720P_T2V_CONFIG, VideoShape(720, 1280, 81), (4, 16), (1, 1, 1),
@@ -157,6 +163,7 @@ MODELS: dict[str, ModelEntry] = {entry.model_id: entry for entry in (
         pipeline_class="Cosmos3OmniPipeline", transformer_class="Cosmos3OmniTransformer",
         shape=VideoShape(720, 1280, None, 35), fps=24,
         tiny_builder="tiny_cosmos3_pipeline", tiny_shape=TINY_SHAPE, frames_of=_cosmos_video,
+        shape_rule=ShapeRule(vae_spatial=8, patch_spatial=1, vae_temporal=4),  # the pipeline pads partial patches
         # its causal text stream needs a backend that runs causal attention (TRTLLM_ATTN does not)
         sdpa_roles=("und_causal",)),
 )}
@@ -174,17 +181,54 @@ def find_model(name: str) -> ModelEntry:
     for entry in MODELS.values():
         if low == entry.model_id.lower() or low in entry.aliases:
             return entry
-    known = ", ".join(f"{e.model_id} ({'/'.join(e.aliases)})" for e in MODELS.values())
-    raise ModelLoadError(f"unknown model {name!r}; known: {known}, or a local pipeline folder")
+    raise ModelLoadError(f"unknown model {name!r}; known: {_known_models()}, or a local pipeline folder")
 
 
-def entry_for_pipeline(pipe) -> ModelEntry:
-    """The entry whose pipeline class ``pipe`` is (for pipelines loaded from a local path)."""
-    cls = type(pipe).__name__
+def _known_models() -> str:
+    return ", ".join(f"{e.model_id} ({'/'.join(e.aliases)})" for e in MODELS.values())
+
+
+def looks_like_a_path(name: str) -> bool:
+    """Whether ``name`` can only be meant as a local path: absolute, starting with ``.`` or ``~``, ending with a
+    separator, or with more parts than a Hub id's ``owner/name``."""
+    return name.startswith((".", "/", "~")) or name.endswith("/") or "\\" in name or name.count("/") > 1
+
+
+def resolve_model(name: str | None, option: str = "--model") -> tuple[ModelEntry, Path | None]:
+    """``(entry, folder)`` for a command line's model (``option`` names it in errors): None (the first model,
+    Wan 2.2), a local pipeline folder (its entry from the pipeline class its ``model_index.json`` names, read
+    without loading anything), or a known model id or alias (folder None). A missing folder is said to be one
+    when ``name`` can only be a path."""
+    if name is None:
+        return next(iter(MODELS.values())), None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return entry_for_folder(path), path
+    if path.exists():
+        raise ModelLoadError(f"{option} {name}: a file, not a pipeline folder or model id")
+    if looks_like_a_path(name):
+        raise ModelLoadError(f"{option} {name}: no such folder")
+    try:
+        return find_model(name), None
+    except ModelLoadError:
+        raise ModelLoadError(f"unknown model {name!r}, and no folder of that name here; known: {_known_models()}, "
+                             "or a local pipeline folder") from None
+
+
+def entry_for_folder(folder: Path) -> ModelEntry:
+    """The entry of the pipeline class that ``folder/model_index.json`` names."""
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise ModelLoadError(f"{str(folder)!r} is not a pipeline folder: it has no model_index.json")
+    try:
+        cls = json.loads(index.read_text()).get("_class_name")
+    except (ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{str(index)!r} is not a pipeline's model_index.json: {e}") from None
     for entry in MODELS.values():
         if entry.pipeline_class == cls:
             return entry
-    raise ModelLoadError(f"{cls} is none of the evaluated pipelines {[e.pipeline_class for e in MODELS.values()]}")
+    raise ModelLoadError(f"{str(folder)!r} holds a {cls}, none of the evaluated pipelines "
+                         f"{[e.pipeline_class for e in MODELS.values()]}")
 
 
 class _HubUnreachable(logging.Filter):
@@ -252,12 +296,9 @@ def export_frames(frames: torch.Tensor, path: str, fps: int) -> str:
     return export_to_video(list(frames.permute(0, 2, 3, 1).clamp(0, 1).numpy()), path, fps=fps)
 
 
-def load_model(model: str | None, *, tiny: bool, device: str, dtype: torch.dtype) -> tuple[ModelEntry, object]:
-    """``(entry, pipeline)`` for a command line's ``--model``: a local pipeline folder (e.g. written by
-    calibrate.py), a known model id or alias, or None (the first model, Wan 2.2); ``tiny`` builds the model's tiny
-    random pipeline instead of loading one."""
-    if model is not None and Path(model).is_dir():
-        pipe = from_pretrained("DiffusionPipeline", model, dtype).to(device)
-        return entry_for_pipeline(pipe), pipe
-    entry = find_model(model) if model else next(iter(MODELS.values()))
-    return entry, load_pipeline(entry, tiny=tiny, device=device, dtype=dtype)
+def load_model(entry: ModelEntry, folder: Path | None, *, tiny: bool, device: str, dtype: torch.dtype):
+    """The pipeline of :func:`resolve_model`'s ``(entry, folder)``: the folder's pipeline (e.g. written by
+    calibrate.py), the model's pretrained one, or with ``tiny`` the model's tiny random pipeline."""
+    if folder is not None:
+        return from_pretrained(entry.pipeline_class, str(folder), dtype).to(device)
+    return load_pipeline(entry, tiny=tiny, device=device, dtype=dtype)
