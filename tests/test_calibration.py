@@ -12,9 +12,8 @@ import torch
 from diffusers_trtllm import AttentionConfig, AttentionConfigError, enable_trtllm_attention
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.calibration import (SkipCalibration, calibrations_from_pretrained, calibrations_from_transformers,
-                                          checkpoint_attention_config, count_skips, load_calibration,
-                                          parse_sparse_attention_config, skip_gaps, sparse_attention_config,
-                                          write_calibration)
+                                          count_skips, load_calibration, parse_sparse_attention_config, skip_gaps,
+                                          sparse_attention_config, write_calibration)
 from diffusers_trtllm.plan import CallPlanner, CallSite, HeadLayout, RoleTraits
 from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline, tiny_wan_transformer
 
@@ -163,24 +162,6 @@ def test_ignore_and_targets_keep_layers_dense():
     assert bound.dense_layers == {"blocks.0.attn1", "blocks.0.attn2", "blocks.1.attn1", "blocks.1.attn2"}
     (call,) = _planned_self_attention(config, {"transformer": bound})
     assert float(call.skip_value) == 0.0
-
-
-def test_checkpoint_defaults_fill_only_what_the_user_left_unset():
-    cals = {"transformer_2": parse_sparse_attention_config(NVIDIA_WAN22)}
-    filled = checkpoint_attention_config(cals, {"default": {"backend": "TRTLLM_ATTN"}})
-    spec = filled.per_role["transformer_2"]
-    assert (spec.backend, spec.skip_softmax.target_sparsity, spec.skip_softmax.disabled_until_timestep) == \
-        ("TRTLLM_ATTN", 0.75, 0.86)
-    assert filled.default.skip_softmax is None  # components without a curve stay as the user set them
-    user = checkpoint_attention_config(cals, '{"default": {"skip_softmax": {"target_sparsity": 0.5}}}')
-    assert user.per_role["transformer_2"].skip_softmax.target_sparsity == 0.5
-    assert user.per_role["transformer_2"].skip_softmax.disabled_until_timestep == 0.86
-    threshold = checkpoint_attention_config(cals, {"default": {"skip_softmax": {"threshold": 0.1,
-                                                                                "disabled_until_timestep": 0.0}}})
-    assert "transformer_2" not in threshold.per_role  # nothing left unset
-    named = checkpoint_attention_config(cals, {"per_role": {"transformer_2": {"backend": "TORCH_SDPA"}}})
-    assert named.per_role["transformer_2"].backend == "TORCH_SDPA"
-    assert isinstance(checkpoint_attention_config(cals, AttentionConfig()), AttentionConfig)
 
 
 def test_target_sparsity_without_calibration_fails_at_install():

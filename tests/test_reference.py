@@ -226,7 +226,8 @@ def test_ragged_batch_through_the_backend_equals_per_sequence_calls():
     qkv = VarlenQKV(q, k, v, lens_q, lens_kv)
     plan = KernelPlan("TORCH_REFERENCE", scale=32 ** -0.5, skip_factor=50.0)
     result = run_backend("TORCH_REFERENCE", qkv, plan)
-    assert result.total_tiles == qkv.tile_count(plan.tile)
+    # heads · Σ query tiles · KV tiles at the plan's 128 × 128
+    assert plan.tile == (128, 128) and result.total_tiles == 4 * (3 * 3 + 2 * 2 + 1 * 5)
     skipped = 0
     for (qi, ki, vi, rows), nkv in zip(qkv.sequences(), lens_kv):
         out, s, _ = reference_attention(qi, ki, vi, plan.scale, skip_lambda=plan.skip_factor / nkv)
@@ -249,7 +250,7 @@ def test_backend_decides_skips_per_the_sage_kernels_own_tile(monkeypatch):
     result = run_backend("TORCH_REFERENCE", qkv, plan)
     out, skipped, total = reference_attention(q, k, v, plan.scale, skip_lambda=50.0 / 512, quant=semantics,
                                               tile=own_tile)
-    assert result.total_tiles == total == qkv.tile_count(own_tile) != qkv.tile_count(plan.tile)
+    assert result.total_tiles == total == 2 * (512 // 32) * (512 // 64)  # own tile; the plan's would give 2 · 4 · 4
     assert 0 < result.skipped_tiles == skipped and torch.equal(result.out, out.to(result.out.dtype))
 
 
@@ -329,7 +330,7 @@ def test_explicit_threshold_on_a_ragged_batch_gives_each_sequence_lambda_max_len
     λ_i = λ·max_kv_len / kv_len_i (the longest exactly λ, shorter ones more). The attention op (HunyuanVideo's
     padded batch: each sample attends among its valid prefix) and the reference do the same."""
     from diffusers_trtllm import HunyuanVideo15TrtllmAttnProcessor
-    from diffusers_trtllm.dispatch import run_call
+    from diffusers_trtllm.dispatch import run_attention
 
     lam, lens = 0.02, (1024, 600, 300)
     parts = [local_qkv(s=max(lens), dtype=torch.float32) for _ in lens]
@@ -337,7 +338,7 @@ def test_explicit_threshold_on_a_ragged_batch_gives_each_sequence_lambda_max_len
     call = HunyuanVideo15TrtllmAttnProcessor(
         {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": lam}}}).calls["joint_attn"]
     call.counting = True
-    out = run_call(call, q, k, v, causal=False, scale=64 ** -0.5, valid_lengths=torch.tensor(lens))
+    out = run_attention(call, q, k, v, scale=64 ** -0.5, valid_lengths=torch.tensor(lens))
     skipped = 0
     for b, n in enumerate(lens):
         expected, s, _ = reference_attention(q[b, :n], k[b, :n], v[b, :n], 64 ** -0.5,

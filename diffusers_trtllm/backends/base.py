@@ -90,11 +90,6 @@ class VarlenQKV:
         copied to the device once per distinct batch shape (a copy per call would stall the host)."""
         return device_cu_seqlens(self.seqlens_q if which == "q" else self.seqlens_kv, self.q.device)
 
-    def tile_count(self, tile: tuple[int, int]) -> int:
-        """(head, query tile, KV tile) triples over the batch: the denominator of achieved sparsity."""
-        tq, tk = tile
-        return self.q.shape[1] * sum(-(-nq // tq) * -(-nkv // tk) for nq, nkv in zip(self.seqlens_q, self.seqlens_kv))
-
     def sequences(self):
         """Yield ``(q_i, k_i, v_i, q_slice)`` per sequence, views into the packed tensors."""
         oq = okv = 0

@@ -30,7 +30,7 @@ import logging
 from pathlib import Path
 from typing import Mapping
 
-from ..config import AttentionConfig, finite_number
+from ..config import finite_number
 from ..errors import AttentionConfigError, invalid
 from ..version import __version__
 from .curve import SkipCalibration
@@ -267,37 +267,3 @@ def write_calibration(component_dir: str | Path, calibration: SkipCalibration, s
 
 
 # --- checkpoint defaults ---------------------------------------------------------------------------------------
-
-def checkpoint_attention_config(calibrations: Mapping[str, SkipCalibration],
-                                config: AttentionConfig | Mapping | str | None = None) -> AttentionConfig:
-    """``config`` with each checkpoint's suggested ``target_sparsity`` and ``disabled_until_timestep`` filled in
-    where the user left them unset; the user's settings win.
-
-    Every component whose calibration suggests something gets a ``per_role[<component>]`` entry: the user's
-    default spec with the checkpoint's values for the unset Skip-Softmax fields (a ``target_sparsity`` only when
-    neither it nor ``threshold`` is set). A component the user already names in ``per_role`` is left alone, and
-    more specific user keys (roles, layer globs) keep winning over the component entries. "Unset" means absent
-    from a dict / JSON config; an :class:`AttentionConfig` object's ``disabled_until_timestep`` is always set
-    (0.0 by default), so only its missing ``skip_softmax`` or target is filled.
-    """
-    user = AttentionConfig.coerce(config)  # validates every accepted form, with clear errors
-    if isinstance(config, str):
-        raw = json.loads(config)
-    elif isinstance(config, Mapping):
-        raw = dict(config)
-    else:
-        raw = user.to_dict()
-    default = dict(raw.get("default") or {})
-    per_role = dict(raw.get("per_role") or {})
-    for component, calibration in calibrations.items():
-        if component in per_role:
-            continue
-        skip = dict(default.get("skip_softmax") or {})
-        if skip.get("target_sparsity") is None and skip.get("threshold") is None \
-                and calibration.target_sparsity is not None:
-            skip["target_sparsity"] = calibration.target_sparsity
-        if skip.get("disabled_until_timestep") is None and calibration.disabled_until_timestep is not None:
-            skip["disabled_until_timestep"] = calibration.disabled_until_timestep
-        if skip != (default.get("skip_softmax") or {}):
-            per_role[component] = {**default, "skip_softmax": skip}
-    return AttentionConfig.from_dict({"default": default, "per_role": per_role})

@@ -18,7 +18,7 @@ class SkipCalibration:
     extrapolations. ``ignore`` holds fnmatch patterns over the component's attention module names
     (``blocks.0.attn2``) that stay dense when ``target_sparsity`` is used; ``targets`` the attention class names
     the curve was calibrated on (empty: any). ``target_sparsity`` / ``disabled_until_timestep`` are the
-    checkpoint's suggested settings (see :func:`~diffusers_trtllm.calibration.checkpoint_attention_config`).
+    checkpoint's suggested settings, read and written with it; the user's attention config decides what runs.
     ``dense_layers`` is filled by :meth:`bind`: the layers of one transformer whose class is not a target.
     """
 

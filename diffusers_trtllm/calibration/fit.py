@@ -47,12 +47,6 @@ class ComponentFit:
         used = [p["sparsity"] for p in self.points if p.get("used", True)]
         return min(used), max(used)
 
-    def sparsity_at(self, lam: float) -> float:
-        """Mean achieved sparsity over the prompts at the grid λ nearest to ``lam`` (for plots and reports)."""
-        nearest = min({p["lambda"] for p in self.points}, key=lambda x: abs(math.log(x / lam)))
-        values = [p["sparsity"] for p in self.points if p["lambda"] == nearest]
-        return sum(values) / len(values)
-
     def threshold_at(self, target_sparsity: float, kv_len: int | None = None) -> float:
         """λ = a·exp(b·s) / kv_len for ``target_sparsity``; ``kv_len`` defaults to the calibration's longest.
 
