@@ -1,18 +1,17 @@
-"""This package's attention as a backend of diffusers' attention dispatcher, named ``"trtllm"``.
+"""The way every attention call of this package reaches the attention op, and the ``"trtllm"`` backend of
+diffusers' attention dispatcher.
 
-Two ways in:
-
+- This package's processors (``WanTrtllmAttnProcessor``...) call :func:`run_attention` with the planned
+  :class:`~diffusers_trtllm.plan.AttentionCall` of the role they are computing: the call carries its own settings
+  (backend, spec, skip value, counters), so no call depends on another's order, thread or pipeline.
 - ``model.set_attention_backend("trtllm")`` (or ``with attention_backend("trtllm"):``) runs any compatible
   diffusers attention (no mask, no dropout; the backend's own limits: head_dim, dtype, GPU) with the default spec
-  of the config set by :func:`set_dispatch_config`. Incompatible calls raise with the reason.
-- This package's processors (``WanTrtllmAttnProcessor``...) reuse diffusers' processor code and route its
-  ``dispatch_attention_fn`` calls here, announcing beforehand which call site (layer and role) each call is, so
-  per-layer specs, the timestep gate and statistics apply.
+  set by :func:`set_dispatch_config`, this backend's own explicit setting. Incompatible calls raise with the reason.
 
-Context parallelism: under ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))`` diffusers hands this
-backend its parallel config and the Ulysses all-to-all runs around this package's attention (each rank then sees
-the whole sequence for its heads, so Skip-Softmax and SAGE decide exactly as on one GPU). Ring attention needs the
-log-sum-exp of partial results, which this backend does not return: it raises.
+Context parallelism: under ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))`` the Ulysses all-to-all
+of diffusers runs around this package's attention (each rank then sees the whole sequence for its heads, so
+Skip-Softmax and SAGE decide exactly as on one GPU). Ring attention needs the log-sum-exp of partial results,
+which this package's attention does not return: it raises.
 """
 
 from __future__ import annotations
@@ -29,9 +28,6 @@ from .plan import AttentionCall, CallSite
 
 BACKEND_NAME = "trtllm"
 
-#: Calls announced by a processor for the ``dispatch_attention_fn`` calls it is about to make, in order.
-PENDING: list[tuple[AttentionCall, torch.Tensor | None]] = []
-
 
 def backend_member() -> AttentionBackendName:
     """``AttentionBackendName`` member ``"trtllm"``, added to diffusers' enum on first use."""
@@ -46,16 +42,13 @@ def backend_member() -> AttentionBackendName:
     return member
 
 
-def announce(*calls: tuple[AttentionCall, torch.Tensor | None]) -> None:
-    """Tell the backend which call sites the next ``dispatch_attention_fn`` calls are, each with the valid
-    lengths of its samples (HunyuanVideo's padded text) or None."""
-    PENDING.clear()
-    PENDING.extend(calls)
+#: The calls ``set_attention_backend("trtllm")`` runs, by causality, replaced as a whole by set_dispatch_config.
+_DISPATCH_CALLS: dict[bool, AttentionCall] = {}
 
 
 def set_dispatch_config(config: AttentionConfig | dict | str | None) -> None:
-    """The spec ``set_attention_backend("trtllm")`` runs with when no processor of this package announced the
-    call: the config's ``default`` (per-role keys and the timestep gate need this package's processors)."""
+    """The spec ``set_attention_backend("trtllm")`` runs with: the config's ``default`` (per-role keys and the
+    timestep gate need this package's processors, which carry their own planned calls)."""
     config = AttentionConfig.coerce(config)
     if config.per_role:
         raise AttentionConfigError(
@@ -67,36 +60,44 @@ def set_dispatch_config(config: AttentionConfig | dict | str | None) -> None:
             "skip_softmax.disabled_until_timestep and target_sparsity need the pipeline's timestep and "
             "calibration (enable_trtllm_attention); set_dispatch_config takes skip_softmax.threshold only")
     spec = config.default
-    _DEFAULT_CALL[:] = [AttentionCall.unplanned(CallSite("*", "*", "attention", "*"), "default", spec.backend, False,
-                                                spec.quant, skip)]
+    _DISPATCH_CALLS.update({causal: AttentionCall.unplanned(CallSite("*", "*", "attention", "*"), spec.backend, causal,
+                                                            spec.quant, skip) for causal in (False, True)})
 
 
-_DEFAULT_CALL: list[AttentionCall] = []  # the one call of set_dispatch_config, replaced as a whole
 set_dispatch_config(None)
 
 
-def run_call(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-             causal: bool, scale: float | None, valid_lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """One attention call of ``[B, S, H, D]`` tensors as ``call`` plans it; ``valid_lengths`` (int CPU tensor
-    ``[B]``) restricts each sample to its first tokens."""
+def run_attention(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                  scale: float | None = None, valid_lengths: torch.Tensor | None = None,
+                  parallel_config=None) -> torch.Tensor:
+    """One attention call of ``[B, S, H, D]`` tensors as ``call`` plans it (causal or not is the call's role's).
+    ``valid_lengths`` (int CPU tensor ``[B]``) restricts each sample to its first tokens; ``parallel_config`` is
+    the processor's diffusers context-parallel config, or None."""
+    if parallel_config is None or parallel_config.context_parallel_config is None:
+        return _run(call, query, key, value, scale, valid_lengths)
+    return _context_parallel(call, valid_lengths, query, key, value, scale, parallel_config)
+
+
+def _run(call: AttentionCall, query, key, value, scale, valid_lengths) -> torch.Tensor:
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     skip_value = call.skip_value
     if call.probing:
-        call.probe(call.site, packed_problem(query, key, value, valid_lengths)[0], scale=scale, causal=causal,
+        call.probe(call.site, packed_problem(query, key, value, valid_lengths)[0], scale=scale, causal=call.causal,
                    tile=call.tile)
         skip_value = torch.zeros_like(skip_value)
-    count = counting(call)
+    count = call.counting and not torch.compiler.is_exporting()
     if call.backend == TORCH_SDPA and call.planned and valid_lengths is None:
         # TORCH_SDPA's own function outside the op: differentiable and traced by inductor.
-        out = sdpa_attention(query, key, value, scale, causal)
+        out = sdpa_attention(query, key, value, scale, call.causal)
         if count:
-            call.counts[2] += 1  # a call that counts no tiles (see ops.attention)
+            call.counts[2] += 1  # a call that counts no tiles (see ops.attention_counted)
         return out
-    out, counts = torch.ops.diffusers_trtllm.attention(
-        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, count, call.backend,
-        scale, causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
-    if count:
-        call.counts += counts
+    args = (query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, skip_value, call.route, scale,
+            call.causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
+    if not count:
+        return torch.ops.diffusers_trtllm.attention(*args)
+    out, counts = torch.ops.diffusers_trtllm.attention_counted(*args)
+    call.counts += counts
     return out
 
 
@@ -104,8 +105,7 @@ def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                      scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
                      _parallel_config=None) -> torch.Tensor:
-    """diffusers backend function: ``[B, S, H, D]`` in and out."""
-    call, valid_lengths = PENDING.pop(0) if PENDING else (_DEFAULT_CALL[0], None)
+    """diffusers backend function: ``[B, S, H, D]`` in and out, with :func:`set_dispatch_config`'s spec."""
     if attn_mask is not None:
         raise ValueError(f"the {BACKEND_NAME!r} attention backend takes no attn_mask (got one shaped "
                          f"{tuple(attn_mask.shape)}); use a backend with masks (e.g. 'native') for this model")
@@ -113,17 +113,11 @@ def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise ValueError(f"the {BACKEND_NAME!r} attention backend has no dropout (dropout_p={dropout_p})")
     if return_lse:
         raise ValueError(f"the {BACKEND_NAME!r} attention backend does not return the log-sum-exp")
-    if _parallel_config is None:
-        return run_call(call, query, key, value, causal=is_causal, scale=scale, valid_lengths=valid_lengths)
-    return _context_parallel(call, valid_lengths, query, key, value, is_causal, scale, _parallel_config)
+    return run_attention(_DISPATCH_CALLS[bool(is_causal)], query, key, value, scale=scale,
+                         parallel_config=_parallel_config)
 
 
-def counting(call: AttentionCall) -> bool:
-    """Whether this call adds to its statistics counters (not while torch.export traces)."""
-    return call.counting and not torch.compiler.is_exporting()
-
-
-def _context_parallel(call, valid_lengths, query, key, value, is_causal, scale, parallel_config) -> torch.Tensor:
+def _context_parallel(call, valid_lengths, query, key, value, scale, parallel_config) -> torch.Tensor:
     cp = parallel_config.context_parallel_config
     if cp.ring_degree > 1:
         raise NotImplementedError(
@@ -136,13 +130,13 @@ def _context_parallel(call, valid_lengths, query, key, value, is_causal, scale, 
 
     def forward_op(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                    return_lse=False, _save_ctx=True, _parallel_config=None):
-        return run_call(call, q, k, v, causal=is_causal, scale=scale)
+        return _run(call, q, k, v, scale, None)
 
     def backward_op(*args, **kwargs):
         raise NotImplementedError(f"the {BACKEND_NAME!r} attention backend has no backward under context parallelism")
 
     return diffusers_dispatch._templated_context_parallel_attention(
-        query, key, value, None, 0.0, is_causal, scale, False, False, forward_op=forward_op,
+        query, key, value, None, 0.0, call.causal, scale, False, False, forward_op=forward_op,
         backward_op=backward_op, _parallel_config=parallel_config)
 
 

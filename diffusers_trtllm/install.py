@@ -26,10 +26,10 @@ _HANDLE_ATTRIBUTE = "_diffusers_trtllm_handle"
 
 
 class TrtllmAttentionHandle:
-    """What :func:`enable_trtllm_attention` returns: the plan, the statistics and the way back.
+    """What :func:`enable_trtllm_attention` returns: the plan, the denoising clock, the statistics and the way back.
 
-    ``stats``: what ran in the current (or last) pipeline call. Use as a context manager or call
-    :meth:`restore` (idempotent) to put back the processors it replaced and remove its hooks.
+    ``stats``: what ran in the current (or last) run (a pipeline call). Use as a context manager or call
+    :meth:`restore` (idempotent) to put back the processors it replaced and undo everything it attached.
     """
 
     def __init__(self, planner: CallPlanner, clock: DenoisingClock):
@@ -48,7 +48,8 @@ class TrtllmAttentionHandle:
         return tuple(self._installed)
 
     def restore(self) -> None:
-        """Put back the processors this handle replaced (only where its own processors still are)."""
+        """Put back the processors this handle replaced (only where its own processors still are), stop following
+        the pipeline and remove its hooks."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -98,8 +99,9 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
     attention raises now; ``auto`` that must drop Skip-Softmax or SAGE warns once), the calibrations
     (``calibrations`` maps a component to its curve; components whose ``config.json`` carries a
     ``sparse_attention_config`` are read too). The timestep gate and λ are planned once per denoising step from
-    the pipeline's scheduler; statistics keep the current pipeline call. Install after moving the pipeline to its
-    dtype. Context parallelism enabled before or after installing is honoured (Ulysses).
+    the scheduler the pipeline has at each call (replacing ``pipe.scheduler`` is followed); statistics keep the
+    current pipeline call. Install after moving the pipeline to its device and dtype. Context parallelism enabled
+    before or after installing is honoured (Ulysses).
     """
     transformers = pipeline_transformers(pipe)
     if not transformers:
@@ -114,24 +116,25 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
     dtype = next(iter(transformers.values())).dtype
     planner.choose_backends(plan_device(transformers.values()), dtype)
 
-    scheduler = None if isinstance(pipe, torch.nn.Module) else getattr(pipe, "scheduler", None)
-    num_train = getattr(getattr(scheduler, "config", None), "num_train_timesteps", None) or 1000
-    if not (hasattr(scheduler, "set_timesteps") and hasattr(scheduler, "step")):
-        scheduler = None
-    clock = DenoisingClock(planner, AttentionStats(), num_train)
+    bare = isinstance(pipe, torch.nn.Module)
+    scheduler_config = None if bare else getattr(getattr(pipe, "scheduler", None), "config", None)
+    clock = DenoisingClock(planner, AttentionStats(planner.calls.values()),
+                           getattr(scheduler_config, "num_train_timesteps", None) or 1000, gated=_gated(planner))
     handle = TrtllmAttentionHandle(planner, clock)
     try:
         for component, transformer in transformers.items():
             _install(handle, component, transformer, classes[component])
-        if scheduler is not None:
-            clock.attach(scheduler)
-        elif _gated(planner):
-            warnings.warn("diffusers_trtllm: a timestep gate without a pipeline scheduler reads the transformer's "
-                          "timestep argument on the host once per call; compile per block in this form",
-                          stacklevel=2)
+        if not bare:
+            clock.follow(pipe)
+        else:
+            clock.start_run()  # a bare transformer's calls form one run until a rising timestep starts another
+        if clock.gated:
+            if bare:
+                warnings.warn("diffusers_trtllm: a timestep gate without a pipeline reads the transformer's timestep "
+                              "argument on the host once per call; compile per block in this form", stacklevel=2)
             for component, transformer in transformers.items():
-                cls = classes[component]
-                clock.timestep_hook(transformer, functools.partial(read_timestep_arguments, names=cls.TIMESTEP_ARGUMENTS))
+                clock.timestep_hook(transformer, functools.partial(read_timestep_arguments,
+                                                                   names=classes[component].TIMESTEP_ARGUMENTS))
     except Exception:
         handle.restore()
         raise

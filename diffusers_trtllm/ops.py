@@ -1,20 +1,22 @@
 """Attention as one opaque ``torch.library`` op, so ``torch.compile`` traces a transformer without looking inside.
 
 ``torch.ops.diffusers_trtllm.attention`` runs any registered backend (FlashInfer's TRT-LLM kernels, the Triton
-SAGE kernel, the PyTorch reference). Dynamo sees one op with a fake implementation (output shaped like q); it
-never traces the Triton kernel, FlashInfer's Python or the reference's tile loop.
+SAGE kernel, the PyTorch reference); ``attention_counted`` is the same op returning the call's tile counts too,
+for call sites whose statistics are on (with statistics off nothing but the output is allocated). Dynamo sees one
+op with a fake implementation (output shaped like q); it never traces the Triton kernel, FlashInfer's Python or
+the reference's tile loop.
 
 What changes during a run reaches the op as tensors, so it never forces a recompile:
 
 - ``skip_value``: a 0-dim float64 tensor on the CPU, updated in place once per denoising step by the planner:
   0 runs dense; otherwise FlashInfer's threshold scale factor, or λ when ``per_kv_len`` (the factor is then
   λ · the longest key length of the call). Reading it in the op is a host read, never a device sync.
-- the op returns this call's counts (skipped KV tiles, tiles, calls, calls whose backend counted tiles) as a
-  device tensor that the caller adds to its site's counters; statistics read those once per step, outside the
-  traced region. The op itself mutates nothing, so autograd (a dense, straight-through backward) and
+- ``attention_counted`` returns this call's counts (skipped KV tiles, tiles, calls, calls whose backend counted
+  tiles) as a device tensor that the caller adds to its site's counters; statistics keep those once per step,
+  outside the traced region. The ops mutate nothing, so autograd (a dense, straight-through backward) and
   ``torch.export`` take it.
 - ``valid_lengths``: an int CPU tensor of each sample's valid prefix (HunyuanVideo's padded text), read on
-  the host once per transformer call by the processors' pre-hook, or None.
+  the host once per transformer call by the processor's pre-hook, or None.
 """
 
 from __future__ import annotations
@@ -42,19 +44,8 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
     return AttnQuantSpec.from_dict(json.loads(text)) if text else None
 
 
-@torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
-              skip_value: torch.Tensor, count: bool, backend: str, scale: float, causal: bool, quant: str,
-              per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``. Returns ``(out, counts)``: ``out`` shaped
-    and typed like q; ``counts`` int64 ``[4]`` on q's device, this call's (skipped KV tiles, tiles, 1, 1 if the
-    backend counted tiles), zeros unless ``count``.
-
-    ``valid_lengths`` (int CPU tensor ``[B]``, self-attention only): sample ``b`` attends among its first
-    ``valid_lengths[b]`` tokens only (HunyuanVideo's joint sequence with padded text); the other rows are 0.
-    ``planned``: the backend was chosen for this call site at install; otherwise it is checked (explicit) or
-    chosen (``auto``) here, once per kind of call.
-    """
+def _attention(q, k, v, valid_lengths, skip_value, count, backend, scale, causal, quant, per_kv_len, tile_q,
+               tile_kv, planned):
     qkv, rows = packed_problem(q, k, v, valid_lengths)
     if not planned:
         backend = unplanned_backend(backend, qkv, causal, skip_value, quant)
@@ -63,32 +54,63 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
     plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor, quant=decode_quant(quant),
                       tile=(tile_q, tile_kv), count_skips=count)
     result = run_backend(backend, qkv, plan)
+    out = result.out.view(q.shape) if rows is None else \
+        q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape)
+    return out, result
+
+
+@torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
+              skip_value: torch.Tensor, backend: str, scale: float, causal: bool, quant: str, per_kv_len: bool,
+              tile_q: int, tile_kv: int, planned: bool) -> torch.Tensor:
+    """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``, shaped and typed like q.
+
+    ``valid_lengths`` (int CPU tensor ``[B]``, self-attention only): sample ``b`` attends among its first
+    ``valid_lengths[b]`` tokens only (HunyuanVideo's joint sequence with padded text); the other rows are 0.
+    ``backend`` names the kernel route (a registered backend, resolved at install). ``planned``: the backend was
+    chosen for this call site at install; otherwise it is checked (explicit) or chosen (``auto``) here, once per
+    kind of call.
+    """
+    return _attention(q, k, v, valid_lengths, skip_value, False, backend, scale, causal, quant, per_kv_len,
+                      tile_q, tile_kv, planned)[0]
+
+
+@torch.library.custom_op("diffusers_trtllm::attention_counted", mutates_args=())
+def attention_counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
+                      skip_value: torch.Tensor, backend: str, scale: float, causal: bool, quant: str,
+                      per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` that also returns this call's counts: int64 ``[4]`` on q's device, (skipped KV tiles,
+    tiles, 1, 1 if the backend counted tiles). The caller adds them to its site's counters."""
+    out, result = _attention(q, k, v, valid_lengths, skip_value, True, backend, scale, causal, quant, per_kv_len,
+                             tile_q, tile_kv, planned)
     counts = torch.zeros(4, dtype=torch.int64, device=q.device)
-    if count:
-        counts[2] = 1  # fills on the device: no copy from the host
-        if result.skipped_tiles is not None:
-            counts[0] = result.skipped_tiles
-            counts[1] = result.total_tiles
-            counts[3] = 1
-    if rows is None:
-        return result.out.view(q.shape), counts
-    return q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape), counts
+    counts[2] = 1  # fills on the device: no copy from the host
+    if result.skipped_tiles is not None:
+        counts[0] = result.skipped_tiles
+        counts[1] = result.total_tiles
+        counts[3] = 1
+    return out, counts
 
 
 @attention.register_fake
-def _(q, k, v, valid_lengths, skip_value, count, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv,
-      planned):
+def _(q, k, v, valid_lengths, skip_value, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
+    return torch.empty_like(q)
+
+
+@attention_counted.register_fake
+def _(q, k, v, valid_lengths, skip_value, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
     return torch.empty_like(q), q.new_empty(4, dtype=torch.int64)
 
 
 def _setup_backward(ctx, inputs, output) -> None:
     q, k, v, valid_lengths = inputs[:4]
-    ctx.scale, ctx.causal = inputs[7], inputs[8]
+    ctx.scale, ctx.causal = inputs[6], inputs[7]
     ctx.valid_lengths = valid_lengths
     ctx.save_for_backward(q, k, v)
 
 
-def _backward(ctx, grad_out, grad_counts):
+def _backward(ctx, grad_out, grad_counts=None):
     """Dense attention's gradient, recomputed with SDPA: straight-through for Skip-Softmax and SAGE (what they
     approximate), and exact for dense backends. For fine-tuning and tests; inference never calls it."""
     q, k, v = ctx.saved_tensors
@@ -96,7 +118,7 @@ def _backward(ctx, grad_out, grad_counts):
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
         out = dense_attention(*inputs, ctx.valid_lengths, ctx.scale, ctx.causal)
         grads = torch.autograd.grad(out, inputs, grad_out)
-    return (*grads,) + (None,) * 11
+    return (*grads,) + (None,) * 10
 
 
 def dense_attention(q, k, v, valid_lengths, scale: float, causal: bool) -> torch.Tensor:
@@ -113,6 +135,7 @@ def dense_attention(q, k, v, valid_lengths, scale: float, causal: bool) -> torch
 
 
 attention.register_autograd(_backward, setup_context=_setup_backward)
+attention_counted.register_autograd(_backward, setup_context=_setup_backward)
 
 
 def packed_problem(q, k, v, valid_lengths) -> tuple[VarlenQKV, torch.Tensor | None]:
@@ -134,21 +157,26 @@ def packed_rows(lengths: tuple[int, ...], seq_len: int, device: torch.device) ->
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
+_UNPLANNED_CACHE_SIZE = 256
 _UNPLANNED_CHOICES: dict[tuple, str] = {}
+_UNPLANNED_WARNED: set[tuple[str, str]] = set()
 
 
 def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: torch.Tensor, quant: str) -> str:
     """The backend of a call not planned at install (``set_attention_backend("trtllm")``, the processors' unbound
     form), chosen once per kind of call: an explicit one that cannot run raises with its reason; ``auto`` that
-    drops a feature warns once."""
+    drops a feature warns once per reason (not once per shape)."""
     key = (requested, qkv.q.device, qkv.q.dtype, qkv.head_dim, qkv.q.shape[1], qkv.k.shape[1], causal,
            bool(skip_value), quant)
     if key not in _UNPLANNED_CHOICES:
         plan = KernelPlan(backend=requested, scale=1.0, causal=causal, skip_factor=float(bool(skip_value)),
                           quant=decode_quant(quant))
         choice = select_backend(requested, plan, qkv)
-        if choice.dropped:
+        if choice.dropped and (requested, choice.dropped) not in _UNPLANNED_WARNED:
+            _UNPLANNED_WARNED.add((requested, choice.dropped))
             warnings.warn(f"diffusers_trtllm: auto runs attention dense on {qkv.q.device}: {choice.dropped}",
                           stacklevel=2)
-        _UNPLANNED_CHOICES[key] = choice.name
+        if len(_UNPLANNED_CHOICES) >= _UNPLANNED_CACHE_SIZE:
+            _UNPLANNED_CHOICES.pop(next(iter(_UNPLANNED_CHOICES)))  # bounded: drop the oldest kind
+        _UNPLANNED_CHOICES[key] = choice.route
     return _UNPLANNED_CHOICES[key]

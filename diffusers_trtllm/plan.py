@@ -61,11 +61,10 @@ class HeadLayout:
 
 @dataclass(eq=False)
 class AttentionCall:
-    """How one call site runs. Fixed at install except ``skip_value`` (updated in place once per step) and
-    ``counts`` (accumulated by the op on the device)."""
+    """How one call site runs: what a processor hands to the attention op with every call of its role. Fixed at
+    install except ``skip_value`` (updated in place once per step) and ``counts`` (accumulated on the device)."""
 
     site: CallSite
-    spec_key: str
     backend: str
     causal: bool
     quant: AttnQuantSpec | None
@@ -75,6 +74,8 @@ class AttentionCall:
     dropped: str = ""
     #: the backend was chosen for this site at install (else the op checks or chooses it at the first call)
     planned: bool = True
+    #: the kernel route the op runs (``backend``, or the test seam's route chosen at install); "" = ``backend``
+    route: str = ""
     skip_value: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     counts: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.int64))
     #: the op adds to ``counts`` (statistics are on and the site was planned for the device ``counts`` is on)
@@ -90,16 +91,17 @@ class AttentionCall:
     per_kv_len: bool = field(init=False)
 
     def __post_init__(self):
+        self.route = self.route or self.backend
         self.quant_arg = encode_quant(self.quant)
         # λ is given (``threshold``): the op multiplies it by the call's longest key length.
         self.per_kv_len = self.skip is not None and self.skip.threshold is not None
 
     @classmethod
-    def unplanned(cls, site: CallSite, spec_key: str, backend: str, causal: bool, quant: AttnQuantSpec | None,
+    def unplanned(cls, site: CallSite, backend: str, causal: bool, quant: AttnQuantSpec | None,
                   skip: SkipSoftmaxSpec | None) -> "AttentionCall":
         """A call not planned at install (its backend is checked or chosen by the op at the first call), with no
         timestep: its skip value is set once, here."""
-        call = cls(site, spec_key, backend, causal, quant, skip, planned=False)
+        call = cls(site, backend, causal, quant, skip, planned=False)
         call.skip_value.fill_(call.step_value(None))
         return call
 
@@ -113,7 +115,7 @@ class AttentionCall:
         skip = self.skip if skip is None else skip
         if skip is None or not skip.skips:
             return 0.0
-        if skip.disabled_until_timestep > 0.0 and (timestep is None or timestep > skip.disabled_until_timestep):
+        if skip.disabled_until_timestep > 0.0 and (timestep is None or timestep >= skip.disabled_until_timestep):
             return 0.0
         if skip.threshold is not None:
             return skip.threshold
@@ -147,19 +149,14 @@ class CallPlanner:
         self.layouts[site] = layout
 
     def choose_backends(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Resolve every site's spec and backend for ``device`` / ``dtype``; raise for an explicit choice that
-        cannot run, warn once for what ``auto`` drops. Called at install and when the transformer moves."""
+        """Resolve every site's spec and backend for ``device`` / ``dtype`` (at install, before the processors
+        take their calls); raise for an explicit choice that cannot run, warn once for what ``auto`` drops."""
         resolved = self.config.resolve_sites([(s.component, s.layer, s.role, s.category) for s in self.traits])
         dropped: dict[str, list[str]] = {}
         calls = {}
         for site, traits in self.traits.items():
             key, spec = resolved[(site.component, site.layer, site.role, site.category)]
             call = self._plan_site(site, traits, key, spec, device, dtype)
-            previous = self.calls.get(site)
-            if previous is not None:  # processors hold the call objects: update in place
-                call.skip_value, call.counts, call.probe = previous.skip_value, previous.counts, previous.probe
-                previous.__dict__.update(call.__dict__)
-                call = previous
             if call.dropped:
                 dropped.setdefault(call.dropped, []).append(site.role)
             calls[site] = call
@@ -212,8 +209,8 @@ class CallPlanner:
         requested_skip = skip
         if choice.dropped:
             skip, quant, calibration = None, None, None
-        return AttentionCall(site, key, choice.name, traits.causal, quant, skip, calibration, dropped=choice.dropped,
-                             requested_skip=requested_skip)
+        return AttentionCall(site, choice.name, traits.causal, quant, skip, calibration, dropped=choice.dropped,
+                             route=choice.route, requested_skip=requested_skip)
 
     def _calibration_for(self, site: CallSite, skip: SkipSoftmaxSpec) -> SkipCalibration:
         calibration = self.calibrations.get(site.component)
@@ -250,8 +247,7 @@ class CallPlanner:
 
     def _allocate_counts(self, device: torch.device) -> None:
         for call in self.calls.values():
-            if call.counts.device != device:
-                call.counts = torch.zeros(4, dtype=torch.int64, device=device)
+            call.counts = torch.zeros(4, dtype=torch.int64, device=device)
             call.counting = self.collect_stats
 
     # --- once per denoising step ----------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """What ran: per denoising step and attention layer, the backend, the mode and the achieved sparsity.
 
 Nothing is recorded on the per-call path: the attention op adds its tile counts to a per-site counter on the
-device, and at each step boundary (outside any traced region) :meth:`AttentionStats.close_step` keeps a copy of
-every counter and zeroes it. Values are read from the device only when a summary is asked for. Statistics hold
-the current (or last) pipeline call only: a new call clears them, so memory stays flat over many calls.
+device, and at each step boundary (outside any traced region) :meth:`AttentionStats.close_step` keeps the step's
+counters as one stacked device tensor and zeroes them. They reach the host in one copy when a summary is asked
+for. Statistics hold one run (a pipeline call): a new run zeroes the counters and drops the last run's records, so
+memory stays flat over many calls.
 """
 
 from __future__ import annotations
@@ -36,39 +37,49 @@ class CallRecord:
 
 class AttentionStats:
     """Records keyed by ``(step, "component.layer", backend, mode)``: a layer whose attention calls run
-    differently (Cosmos 3's dense causal stream beside its skipping generation stream) keeps one record per way."""
+    differently (Cosmos 3's dense causal stream beside its skipping generation stream) keeps one record per way.
 
-    def __init__(self):
-        self._pending: list[tuple[int, str, str, str, torch.Tensor]] = []
+    ``calls``: the planned calls whose counters these statistics keep (those with ``counting`` set).
+    """
+
+    def __init__(self, calls: Iterable = ()):
+        self._calls = [call for call in calls if call.counting]
+        self._steps: list[tuple[int, tuple[str, ...], torch.Tensor]] = []
         self._records: dict = {}
 
-    def close_step(self, step: int, calls: Iterable) -> None:
-        """Keep a copy of each call site's device counters as step ``step`` and zero them (no host sync)."""
-        for call in calls:
-            if not call.counting:
-                continue
-            mode = call.mode(bool(call.skip_value))
-            self._pending.append((step, call.site.qualified_layer, call.backend, mode, call.counts.clone()))
-            call.counts.zero_()
-
-    def clear(self) -> None:
-        self._pending.clear()
+    def start_run(self) -> None:
+        """A run starts: the last run's records are dropped and every counter is zeroed."""
+        self._steps.clear()
         self._records.clear()
+        if self._calls:
+            torch._foreach_zero_([call.counts for call in self._calls])
+
+    def close_step(self, step: int) -> None:
+        """Keep the counters as step ``step`` (one stacked device copy, no host sync) and zero them."""
+        if not self._calls:
+            return
+        counts = [call.counts for call in self._calls]
+        modes = tuple(call.mode(bool(call.skip_value)) for call in self._calls)
+        self._steps.append((step, modes, torch.stack(counts)))
+        torch._foreach_zero_(counts)
 
     @property
     def records(self) -> dict:
-        """``{(step, layer, backend, mode): CallRecord}`` for every site that ran (reads the device counters)."""
-        if self._pending:
-            values = torch.stack([p[4].cpu() for p in self._pending]).tolist()
-            for (step, layer, backend, mode, _), (skipped, total, calls, counted) in zip(self._pending, values):
-                if not calls:
-                    continue
-                rec = self._records.setdefault((step, layer, backend, mode), CallRecord(backend, mode))
-                rec.calls += calls
-                rec.skipped += skipped
-                rec.total += total
-                rec.counted = rec.counted and counted == calls
-            self._pending.clear()
+        """``{(step, layer, backend, mode): CallRecord}`` for every site that ran (one host copy of the steps
+        closed since the last read)."""
+        if self._steps:
+            values = torch.stack([counts for *_, counts in self._steps]).cpu().tolist()
+            for (step, modes, _), rows in zip(self._steps, values):
+                for call, mode, (skipped, total, calls, counted) in zip(self._calls, modes, rows):
+                    if not calls:
+                        continue
+                    key = (step, call.site.qualified_layer, call.backend, mode)
+                    rec = self._records.setdefault(key, CallRecord(call.backend, mode))
+                    rec.calls += calls
+                    rec.skipped += skipped
+                    rec.total += total
+                    rec.counted = rec.counted and counted == calls
+            self._steps.clear()
         return self._records
 
     def _sparsity_by(self, index: int) -> dict:

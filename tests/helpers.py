@@ -63,3 +63,19 @@ def cosmos3_transformer_call():
          generator=torch.Generator().manual_seed(0))
     hook.remove()
     return pipe.transformer, captured[0]
+
+
+class LoopPipeline:
+    """The shape of a diffusers pipeline call, without encoders or VAE: ``set_timesteps``, then per timestep one
+    transformer call and ``scheduler.step``."""
+
+    def __init__(self, transformer, scheduler):
+        self.transformer, self.scheduler = transformer, scheduler
+
+    def __call__(self, inputs: dict, steps: int) -> torch.Tensor:
+        self.scheduler.set_timesteps(steps)
+        latents = inputs["hidden_states"]
+        for t in self.scheduler.timesteps:
+            self.transformer(**inputs)
+            latents = self.scheduler.step(torch.zeros_like(latents), t, latents).prev_sample
+        return latents

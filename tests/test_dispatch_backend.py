@@ -122,17 +122,17 @@ def test_planned_sdpa_runs_the_backends_causal_alignment(queries, keys):
     """A call planned on TORCH_SDPA runs SDPA outside the op (differentiable, traced by inductor); it computes what
     the op's TORCH_SDPA backend does, causal bottom-right included, as the float64 reference."""
     from diffusers_trtllm.backends.reference import reference_attention
-    from diffusers_trtllm.dispatch import run_call
+    from diffusers_trtllm.dispatch import run_attention
     from diffusers_trtllm.plan import AttentionCall, CallSite
 
     torch.manual_seed(0)
     q = torch.randn(1, queries, 2, 64, dtype=torch.float64)
     k, v = (torch.randn(1, keys, 2, 64, dtype=torch.float64) for _ in range(2))
     site = CallSite("*", "*", "attention", "*")
-    planned = AttentionCall(site, "default", "TORCH_SDPA", True, None, None, planned=True)
-    through_op = AttentionCall.unplanned(site, "default", "TORCH_SDPA", True, None, None)
-    out_planned = run_call(planned, q, k, v, causal=True, scale=None)
-    out_op = run_call(through_op, q, k, v, causal=True, scale=None)
+    planned = AttentionCall(site, "TORCH_SDPA", True, None, None, planned=True)
+    through_op = AttentionCall.unplanned(site, "TORCH_SDPA", True, None, None)
+    out_planned = run_attention(planned, q, k, v)
+    out_op = run_attention(through_op, q, k, v)
     ref, _, _ = reference_attention(q[0], k[0], v[0], 64 ** -0.5, causal=True)
     torch.testing.assert_close(out_planned, out_op, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out_planned[0], ref, rtol=1e-10, atol=1e-10)

@@ -149,7 +149,8 @@ def test_the_detector_counts_package_reads_only_and_spares_exempt_tensors():
             read()
         assert reads.reads == []  # made here, not by diffusers_trtllm
         packed_problem(q, q, q, lengths)  # Tensor.tolist, outside the op: counted
-        DenoisingClock(CallPlanner(AttentionConfig()), AttentionStats(), 1000).observe(torch.tensor(500.0))  # float()
+        DenoisingClock(CallPlanner(AttentionConfig()), AttentionStats(), 1000, gated=True).observe(
+            torch.tensor(500.0))  # float()
     assert [r.split(":")[0] for r in reads.reads] == ["tolist", "aten._local_scalar_dense.default"], reads.reads
     reads.reads.clear()
     reads._exempt.add(_storage(lengths))

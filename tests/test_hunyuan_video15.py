@@ -2,11 +2,9 @@
 
 import copy
 import inspect
-from types import SimpleNamespace
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 from helpers import max_rel_err, predicted_gate_modes
@@ -95,11 +93,10 @@ def test_set_attn_processor_hands_text_refiner_to_diffusers():
 
 def test_enable_installs_on_joint_blocks_only_and_restores():
     transformer = tiny_hunyuan_video15_transformer()
-    pipe = SimpleNamespace(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
     originals = transformer.attn_processors
     inputs = transformer_inputs()
     reference = run(transformer, inputs)
-    with enable_trtllm_attention(pipe, DENSE_REFERENCE) as handle:
+    with enable_trtllm_attention(transformer, DENSE_REFERENCE) as handle:
         installed = transformer.attn_processors
         for key, original in originals.items():
             is_joint = key.startswith("transformer_blocks.")
@@ -114,12 +111,11 @@ def test_enable_installs_on_joint_blocks_only_and_restores():
 def test_skip_and_sage_on_reference_backend(quant):
     """Local, peaky attention (qk_gain 4), 2 frames of 12 × 12 latents: 288 video + up to 36 text tokens per sample."""
     transformer = tiny_hunyuan_video15_transformer(qk_gain=4.0)
-    pipe = SimpleNamespace(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
     inputs = transformer_inputs(height=12, width=12)
     reference = run(transformer, inputs)
     spec = {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.2}} if quant is None else \
         {"backend": "TORCH_REFERENCE", "quant": quant}
-    with enable_trtllm_attention(pipe, {"default": spec}) as handle:
+    with enable_trtllm_attention(transformer, {"default": spec}) as handle:
         out = run(transformer, inputs)
     summary = handle.stats.summary()
     mode = "skip" if quant is None else f"sage-{quant['dtype_qk']}"

@@ -55,7 +55,8 @@ def test_sage_skipping_on_the_triton_rule_says_once_that_heads_skip_only_where_i
         handle = enable_trtllm_attention(model, {"default": spec})
         with torch.no_grad():
             model(**tiny_call_inputs())
-        handle.planner.choose_backends(torch.device("cpu"), torch.float32)  # a move re-plans: still said once
+        with torch.no_grad():
+            model(**tiny_call_inputs())  # a second call: nothing more said
     ours = [str(w.message) for w in caught if "diffusers_trtllm" in str(w.message)]
     assert len(ours) == 1 and "['cross_attn', 'self_attn']" in ours[0] and "at least 30%" in ours[0], ours
     handle.restore()
@@ -124,8 +125,9 @@ def test_each_pipeline_call_starts_at_step_zero():
 
 
 def test_memory_stays_flat_over_a_thousand_calls():
-    """200 scheduler-driven "pipeline calls" of 5 steps (1000 transformer calls): the statistics hold the last
-    call only and nothing else grows."""
+    """200 pipeline calls of 5 steps (1000 transformer calls): the statistics hold the last call only and nothing
+    else grows. Memory is compared between two windows of 80 calls after a warm-up, so the allocator's steady
+    state (small tensors it keeps for reuse) is not counted as growth; a leak of one object per call would be."""
     pipe = LoopPipeline(tiny_wan(), FlowMatchEulerDiscreteScheduler(shift=3.0))
     config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.3,
                                                                          "disabled_until_timestep": 0.5}}}
@@ -134,25 +136,23 @@ def test_memory_stays_flat_over_a_thousand_calls():
     torch.set_num_threads(1)  # a tiny call is dominated by thread start-up otherwise
     try:
         with enable_trtllm_attention(pipe, config) as handle, torch.no_grad():
-            def pipeline_call():
-                pipe(inputs, steps=5)
-                assert len(handle.stats.per_step()) == 5
+            def pipeline_calls(n):
+                for _ in range(n):
+                    pipe(inputs, steps=5)
+                    assert len(handle.stats.per_step()) == 5
+                gc.collect()
+                return tracemalloc.take_snapshot()
 
-            for _ in range(20):
-                pipeline_call()
-            gc.collect()
             tracemalloc.start()
-            before = tracemalloc.take_snapshot()
-            for _ in range(180):
-                pipeline_call()
-            gc.collect()
-            growth = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+            pipeline_calls(40)
+            first = pipeline_calls(80)
+            growth = sum(s.size_diff for s in pipeline_calls(80).compare_to(first, "filename"))
             tracemalloc.stop()
             stats = handle.stats
             assert len(stats.records) <= 5 * len(handle.planner.calls) and not stats._steps
     finally:
         torch.set_num_threads(threads)
-    assert growth < 64 * 1024, f"{growth} bytes more after 900 calls"
+    assert growth < 16 * 1024, f"{growth} bytes more after 400 transformer calls"
 
 
 COSMOS3_CAUSAL_ON_SDPA = ("'und_causal' attention is causal and the default backend TRTLLM_ATTN runs non-causal "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from ..config import AUTO, TORCH_REFERENCE
 from ..errors import BackendUnavailableError
 from . import reference, sdpa, trtllm  # noqa: F401  (registration)
-from .base import KernelPlan, KernelResult, VarlenQKV, get_backend, registered_backends
+from .base import KernelPlan, KernelResult, VarlenQKV, backend_for_route, get_backend, registered_backends, route_of
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,11 @@ class BackendChoice:
 
     name: str
     dropped: str = ""
+
+    @property
+    def route(self) -> str:
+        """The kernel route the chosen backend runs (the test seam's, where it applied at the choice)."""
+        return route_of(self.name)
 
 
 def _features(plan: KernelPlan) -> list[str]:
@@ -53,5 +58,6 @@ def select_backend(requested: str, plan: KernelPlan, qkv: VarlenQKV) -> BackendC
     raise BackendUnavailableError("no backend can run this attention: " + "; ".join(passed_over))
 
 
-def run_backend(name: str, qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
-    return get_backend(name).run(qkv, plan)
+def run_backend(route: str, qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
+    """Run a planned route (:attr:`BackendChoice.route`)."""
+    return backend_for_route(route).run(qkv, plan)

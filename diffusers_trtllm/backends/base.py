@@ -162,9 +162,12 @@ class FunctionBackend:
 
 _REGISTRY: dict[str, FunctionBackend] = {}
 
-#: Test seam: with this variable set to 1, ``TRTLLM_ATTN`` reports itself available on any device and computes
-#: with ``TORCH_REFERENCE``, so integrations (vLLM-Omni's diffusers path) can be tested end to end on a CPU.
+#: Test seam: with this variable set to 1 when a call site is planned, ``TRTLLM_ATTN`` reports itself available on
+#: any device and computes with ``TORCH_REFERENCE``, so integrations (vLLM-Omni's diffusers path) can be tested end
+#: to end on a CPU. It is read when a backend is chosen (install, or an unplanned call's first call), never per call.
 TRTLLM_ON_REFERENCE_ENV = "DIFFUSERS_TRTLLM_TRTLLM_ATTN_ON_REFERENCE"
+#: The route a call planned under the test seam runs: ``TRTLLM_ATTN``'s limits, ``TORCH_REFERENCE``'s arithmetic.
+TRTLLM_ON_REFERENCE_ROUTE = "TRTLLM_ATTN@TORCH_REFERENCE"
 
 
 def register_backend(name: str, runner, check, priority: int = 0) -> FunctionBackend:
@@ -174,11 +177,31 @@ def register_backend(name: str, runner, check, priority: int = 0) -> FunctionBac
     return backend
 
 
+def _seam_active() -> bool:
+    return os.environ.get(TRTLLM_ON_REFERENCE_ENV) == "1"
+
+
 def get_backend(name: str) -> FunctionBackend:
-    backend = _REGISTRY[name]
-    if name == "TRTLLM_ATTN" and os.environ.get(TRTLLM_ON_REFERENCE_ENV) == "1":
-        return FunctionBackend(name, _simulated_trtllm_reason, _REGISTRY["TORCH_REFERENCE"].runner, backend.priority)
-    return backend
+    """The backend ``name`` as selection sees it now (the test seam applied)."""
+    if name == "TRTLLM_ATTN" and _seam_active():
+        return _seam_backend()
+    return _REGISTRY[name]
+
+
+def route_of(name: str) -> str:
+    """The kernel route a call site chosen to run on backend ``name`` runs (decided once, when it is planned)."""
+    return TRTLLM_ON_REFERENCE_ROUTE if name == "TRTLLM_ATTN" and _seam_active() else name
+
+
+def backend_for_route(route: str) -> FunctionBackend:
+    """The backend that runs a planned route (no environment lookup: the per-call path)."""
+    return _seam_backend() if route == TRTLLM_ON_REFERENCE_ROUTE else _REGISTRY[route]
+
+
+def _seam_backend() -> FunctionBackend:
+    trtllm = _REGISTRY["TRTLLM_ATTN"]
+    return FunctionBackend("TRTLLM_ATTN", _simulated_trtllm_reason, _REGISTRY["TORCH_REFERENCE"].runner,
+                           trtllm.priority)
 
 
 def _simulated_trtllm_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:

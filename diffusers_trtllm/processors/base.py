@@ -1,9 +1,10 @@
 """``TrtllmAttnProcessor``: the base of every model's processor.
 
-A model's processor subclasses diffusers' own processor for that model and this base: diffusers' code does the
-projections, norms, rotary embedding and output projection, and its ``dispatch_attention_fn`` calls reach this
-package's ``"trtllm"`` dispatcher backend; the processor only announces which call site (layer and role) each of
-those calls is. Parity with diffusers' default processor holds by construction, in every diffusers version.
+A model's processor subclasses diffusers' own processor for that model and this base. Its ``__call__`` follows
+diffusers' (reusing diffusers' projection and rotary helpers where they are importable) and runs each attention
+with :meth:`TrtllmAttnProcessor.attend`, naming the role: the role's planned call travels with the tensors to the
+attention op, so no call can take another role's settings, whatever order diffusers' code makes them in.
+Parity with diffusers' default processor is tested per model and with diffusers' own model tests.
 
 Two forms:
 
@@ -22,7 +23,7 @@ from typing import ClassVar, Mapping
 import torch
 
 from ..config import AttentionConfig
-from ..dispatch import BACKEND, announce
+from ..dispatch import BACKEND, run_attention
 from ..errors import AttentionConfigError
 from ..plan import AttentionCall, CallSite, HeadLayout, RoleTraits
 
@@ -75,21 +76,23 @@ class TrtllmAttnProcessor:
                 f"{sorted(role_keys)}")
         calls = {}
         for role, traits in cls.ROLES.items():
-            key, spec = config.resolve("transformer", "*", role, traits.category)
+            _, spec = config.resolve("transformer", "*", role, traits.category)
             skip = spec.skip_softmax if traits.sparse_ok and spec.skips else None
             if skip is not None and (skip.disabled_until_timestep > 0 or skip.target_sparsity is not None):
                 raise AttentionConfigError(
                     f"{role}: skip_softmax.disabled_until_timestep / target_sparsity need the pipeline's timestep "
                     f"and the transformer's calibration, which {cls.__name__} alone does not see: install with "
                     "diffusers_trtllm.enable_trtllm_attention(pipe, config), or set skip_softmax.threshold only")
-            calls[role] = AttentionCall.unplanned(CallSite("transformer", "*", role, traits.category), key,
-                                                  spec.backend, traits.causal, spec.quant if traits.quant_ok else None,
-                                                  skip)
+            calls[role] = AttentionCall.unplanned(CallSite("transformer", "*", role, traits.category), spec.backend,
+                                                  traits.causal, spec.quant if traits.quant_ok else None, skip)
         return calls
 
-    def announce(self, *roles: str, valid_lengths: torch.Tensor | None = None) -> None:
-        """The next ``dispatch_attention_fn`` calls are these roles' (in order)."""
-        announce(*((self.calls[role], valid_lengths) for role in roles))
+    def attend(self, role: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+               valid_lengths: torch.Tensor | None = None, parallel: bool = True) -> torch.Tensor:
+        """``role``'s attention of ``[B, S, H, D]`` tensors, as planned for this layer; ``parallel=False`` keeps
+        it out of diffusers' context-parallel all-to-all (where diffusers' own processor passes no parallel config)."""
+        return run_attention(self.calls[role], query, key, value, valid_lengths=valid_lengths,
+                             parallel_config=self._parallel_config if parallel else None)
 
     # --- what install needs to know about a model -------------------------------------------------------------
     @classmethod

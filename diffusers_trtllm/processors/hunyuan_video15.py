@@ -9,8 +9,9 @@ The text mask ``[B, L_text]`` marks each sample's valid text tokens. diffusers' 
 ``[B, 1, S, S]`` mask (6 GB of booleans per block at 720p); this processor instead lets each sample attend among
 its valid prefix (all video tokens + its valid text tokens), which the attention op packs into one ragged call.
 Padded positions get 0, as PyTorch's SDPA gives fully masked rows; they never reach a valid token. The valid
-lengths are read on the host once per transformer call, by a pre-hook on the first block (the only host read;
-in the unbound ``set_attn_processor`` form, once per attention call). The projections are diffusers' modules and
+lengths are read on the host once per transformer call, by a pre-hook on the first block that binds its
+``attention_mask`` argument by name; the processors reuse them only for that same mask tensor (any other mask, or
+the unbound ``set_attn_processor`` form, is read where it arrives). The projections are diffusers' modules and
 ``apply_rotary_emb``, in diffusers' order; only the mask handling differs, which is why this processor has its
 own ``__call__``.
 
@@ -21,8 +22,9 @@ The text refiner (``context_embedder.token_refiner``) uses the same ``Attention`
 
 from __future__ import annotations
 
+import inspect
+
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
@@ -32,14 +34,20 @@ from .base import TrtllmAttnProcessor
 
 
 class TextLengths:
-    """Valid text tokens per sample of the transformer call in progress (an int CPU tensor), shared by the
-    joint-attention processors of one transformer."""
+    """Valid text tokens per sample of the transformer call in progress (an int CPU tensor) and the mask they were
+    read from, shared by the joint-attention processors of one transformer."""
 
     def __init__(self):
+        self.mask: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
 
     def read(self, text_mask: torch.Tensor | None) -> None:
+        self.mask = text_mask
         self.counts = None if text_mask is None else text_mask.sum(dim=1).cpu()
+
+    def of(self, text_mask: torch.Tensor) -> torch.Tensor:
+        """The valid counts of ``text_mask``: those read by the pre-hook when it is that mask, else read now."""
+        return self.counts if text_mask is self.mask else text_mask.sum(dim=1).cpu()
 
 
 def _heads(projection: torch.nn.Module, states: torch.Tensor, heads: int) -> torch.Tensor:
@@ -70,11 +78,13 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
         return {"text_lengths": TextLengths()}
 
     def install_hooks(self, transformer: torch.nn.Module) -> list:
-        lengths = self.text_lengths
-        hook = transformer.transformer_blocks[0].register_forward_pre_hook(
-            lambda block, args, kwargs: lengths.read(kwargs.get("attention_mask", args[3] if len(args) > 3
-                                                                else None)), with_kwargs=True)
-        return [hook]
+        lengths, first_block = self.text_lengths, transformer.transformer_blocks[0]
+        signature = inspect.signature(first_block.forward)
+
+        def read_text_mask(block, args, kwargs):
+            lengths.read(signature.bind_partial(*args, **kwargs).arguments.get("attention_mask"))
+
+        return [first_block.register_forward_pre_hook(read_text_mask, with_kwargs=True)]
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
@@ -100,9 +110,8 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
             key = torch.cat([key, text_key], dim=1)
             value = torch.cat([value, text_value], dim=1)
 
-        self.announce("joint_attn", valid_lengths=self._valid_lengths(attention_mask, query.shape[1]))
-        out = dispatch_attention_fn(query, key, value, backend=self._attention_backend,
-                                    parallel_config=self._parallel_config)
+        out = self.attend("joint_attn", query, key, value,
+                          valid_lengths=self._valid_lengths(attention_mask, query.shape[1]))
         out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out, None
@@ -117,5 +126,5 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
     def _valid_lengths(self, text_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
         if text_mask is None:
             return None
-        counts = self.text_lengths.counts if self.text_lengths is not None else text_mask.sum(dim=1).cpu()
+        counts = self.text_lengths.of(text_mask) if self.text_lengths is not None else text_mask.sum(dim=1).cpu()
         return counts + (seq_len - text_mask.shape[1])

@@ -1,0 +1,257 @@
+"""Who owns which state: a call's settings travel with the call, a run's clock belongs to the handle.
+
+Ordinary diffusers code must not change what runs: replacing ``pipe.scheduler`` after install, two pipelines in
+two threads, one scheduler shared by two pipelines, a direct transformer call between pipeline calls, a bare
+transformer over many runs, and diffusers' processor code making its calls in another order.
+"""
+
+import copy
+import threading
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+from diffusers_trtllm import AttentionConfigError, enable_trtllm_attention
+from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
+from diffusers_trtllm.processors import base as processor_base
+from diffusers_trtllm.tiny_pipelines import TINY_TEXT_LEN, tiny_wan22_pipeline
+
+from helpers import (I2V_IMAGE_TOKENS, LoopPipeline, cosmos3_transformer_call, predicted_gate_modes, tiny_wan,
+                     wan_inputs)
+
+GATE = 0.8
+GATED_SKIP = {"default": {"backend": "TORCH_REFERENCE",
+                          "skip_softmax": {"threshold": 0.3, "disabled_until_timestep": GATE}}}
+SAGE = {"default": {"backend": "TORCH_REFERENCE", "quant": {"dtype_qk": "int8"}}}
+STEPS = 6
+
+
+def generate(pipe, steps=STEPS):
+    return pipe("a fox in snow", negative_prompt="blur", height=96, width=160, num_frames=5,
+                num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="latent").frames
+
+
+def tiny_pipe(two_experts=False, seed=0):
+    pipe = tiny_wan22_pipeline(seed, two_experts=two_experts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def step_modes(handle) -> dict[int, str]:
+    """Per step, the one mode every layer ran in (asserts the layers agree)."""
+    modes = {}
+    for step, counts in handle.stats.modes().items():
+        assert len(counts) == 1, counts
+        modes[step] = next(iter(counts)).split(":")[1]
+    return modes
+
+
+def expected_gate(scheduler, steps=STEPS) -> dict[int, str]:
+    probe = copy.deepcopy(scheduler)
+    probe.set_timesteps(steps)
+    expected = predicted_gate_modes(probe, GATE)
+    assert set(expected.values()) == {"dense", "skip"}, expected  # the run crosses the gate
+    return expected
+
+
+def nothing_of_ours_on(scheduler) -> bool:
+    return not {"step", "set_timesteps", "set_begin_index"} & set(vars(scheduler))
+
+
+def test_a_scheduler_replaced_after_install_is_followed():
+    """diffusers' own Wan example replaces the scheduler after loading; the gate then follows the new one."""
+    pipe = tiny_pipe()
+    with enable_trtllm_attention(pipe, GATED_SKIP) as handle:
+        pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=8.0)
+        generate(pipe)
+        assert step_modes(handle) == expected_gate(pipe.scheduler)
+        assert nothing_of_ours_on(pipe.scheduler)
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)  # another kind, other timesteps
+        generate(pipe)
+        assert step_modes(handle) == expected_gate(pipe.scheduler)
+
+
+def test_a_scheduler_the_gate_cannot_follow_is_refused_at_the_call():
+    pipe = tiny_pipe()
+    with enable_trtllm_attention(pipe, GATED_SKIP):
+        pipe.scheduler = None
+        with pytest.raises(AttentionConfigError, match="disabled_until_timestep needs the pipeline's timesteps, but "
+                                                       "pipe.scheduler is NoneType"):
+            generate(pipe)
+
+
+def test_two_pipelines_in_two_threads_give_what_each_gives_alone():
+    """Different configs on two pipelines running at the same time: every output bit-identical to the same
+    pipeline run alone, every step's statistics too."""
+    pipes = {"skip": tiny_pipe(seed=0), "sage": tiny_pipe(seed=1)}
+    handles = {name: enable_trtllm_attention(pipes[name], config)
+               for name, config in (("skip", GATED_SKIP), ("sage", SAGE))}
+    alone = {name: (generate(pipe), handles[name].stats.summary()) for name, pipe in pipes.items()}
+    for _ in range(3):
+        results, errors = {}, []
+        barrier = threading.Barrier(len(pipes))
+
+        def run(name):
+            try:
+                barrier.wait()
+                results[name] = (generate(pipes[name]), handles[name].stats.summary())
+            except Exception as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(name,)) for name in pipes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for name in pipes:
+            assert torch.equal(results[name][0], alone[name][0]), name
+            assert results[name][1] == alone[name][1], name
+    for handle in handles.values():
+        handle.restore()
+
+
+@pytest.mark.parametrize("order", ["first-installed-first", "last-installed-first"])
+def test_one_scheduler_shared_by_two_pipelines(order):
+    """Pipelines built from shared components: each handle's gate keeps working whichever is restored first, and
+    after every restore nothing of the package is on the scheduler."""
+    first, second = tiny_pipe(seed=0), tiny_pipe(seed=1)
+    second.scheduler = first.scheduler
+    expected = expected_gate(first.scheduler)
+    h1, h2 = enable_trtllm_attention(first, GATED_SKIP), enable_trtllm_attention(second, GATED_SKIP)
+    for pipe, handle in ((first, h1), (second, h2)):
+        generate(pipe)
+        assert step_modes(handle) == expected
+    restored, remaining = ((h1, (second, h2)) if order == "first-installed-first" else (h2, (first, h1)))
+    restored.restore()
+    assert nothing_of_ours_on(first.scheduler)
+    generate(remaining[0])
+    assert step_modes(remaining[1]) == expected
+    remaining[1].restore()
+    assert nothing_of_ours_on(first.scheduler)
+    for pipe in (first, second):
+        assert type(pipe).__mro__[1].__name__ == "DiffusionPipeline"  # WanPipeline itself again
+        assert "_diffusers_trtllm_clock" not in vars(pipe)
+
+
+def test_restore_gives_back_the_pipeline_class_and_outputs():
+    pipe = tiny_pipe()
+    original_class = type(pipe)
+    reference = generate(pipe)
+    with enable_trtllm_attention(pipe, {"default": {"backend": "TORCH_SDPA"}}):
+        assert type(pipe) is not original_class and type(pipe).__name__ == original_class.__name__
+        assert isinstance(pipe, original_class)
+    assert type(pipe) is original_class
+    assert torch.equal(generate(pipe), reference)
+
+
+@pytest.mark.parametrize("config", [GATED_SKIP, SAGE], ids=["gated-skip", "sage"])
+def test_a_direct_transformer_call_between_runs_changes_no_run(config):
+    pipe = tiny_pipe()
+    with enable_trtllm_attention(pipe, config) as handle:
+        first = generate(pipe)
+        first_stats = handle.stats.summary()
+        with torch.no_grad():
+            pipe.transformer(**wan_inputs(batch=1, frames=1, height=12, width=20))
+        second = generate(pipe)
+        assert torch.equal(first, second)
+        assert handle.stats.summary() == first_stats
+
+
+def test_a_bare_transformer_over_many_runs_keeps_bounded_statistics():
+    """Without a pipeline, a rising timestep starts a new run: 30 runs of 4 steps keep 4 steps of records."""
+    model = tiny_wan()
+    inputs = wan_inputs(batch=1, frames=1, height=8, width=8)
+    with pytest.warns(UserWarning, match="reads the transformer's timestep"):
+        handle = enable_trtllm_attention(model, GATED_SKIP)
+    sites = len(handle.planner.calls)
+    with handle, torch.no_grad():
+        for _ in range(30):
+            for t in (950, 850, 700, 400):
+                model(**{**inputs, "timestep": torch.tensor([t])})
+            records = handle.stats.records
+            assert sorted({step for step, *_ in records}) == [0, 1, 2, 3]
+            assert len(records) <= 4 * sites
+            assert {rec.calls for rec in records.values()} == {1}
+        assert step_modes(handle) == {0: "dense", 1: "dense", 2: "skip", 3: "skip"}
+
+
+def test_a_loop_pipeline_counts_each_run_from_zero():
+    pipe = LoopPipeline(tiny_wan(), FlowMatchEulerDiscreteScheduler(shift=3.0))
+    inputs = wan_inputs(batch=1, frames=1, height=8, width=8)
+    with enable_trtllm_attention(pipe, SAGE) as handle, torch.no_grad():
+        for steps in (3, 5, 2):
+            pipe(inputs, steps)
+            assert sorted(handle.stats.per_step()) == list(range(steps))
+            assert {rec.calls for rec in handle.stats.records.values()} == {1}
+
+
+def _recorded_roles(monkeypatch):
+    """(role, query length, key length, causal) of every attention call the processors make."""
+    seen = []
+    real = processor_base.run_attention
+
+    def recording(call, query, key, value, **kwargs):
+        seen.append((call.site.role, query.shape[1], key.shape[1], call.causal))
+        return real(call, query, key, value, **kwargs)
+
+    monkeypatch.setattr(processor_base, "run_attention", recording)
+    return seen
+
+
+def test_each_wan_role_gets_its_own_call_whatever_the_order(monkeypatch):
+    """Wan 2.1 I2V's cross-attention makes two calls (image tokens, text tokens); each carries its own role's
+    plan, found by the role the processor names, not by the order diffusers' code makes them in."""
+    model = tiny_wan(i2v=True)
+    inputs = wan_inputs(batch=1, frames=1, height=8, width=8, i2v=True)
+    seen = _recorded_roles(monkeypatch)
+    with enable_trtllm_attention(model, {"default": {"backend": "TORCH_SDPA"},
+                                         "per_role": {"image_cross_attn": SAGE["default"]}}) as handle:
+        with torch.no_grad():
+            model(**inputs)
+    video_tokens = 4 * 4  # 8 × 8 latents, patch 2 × 2, one frame
+    assert set(seen) == {("self_attn", video_tokens, video_tokens, False),
+                         ("image_cross_attn", video_tokens, I2V_IMAGE_TOKENS, False),
+                         ("cross_attn", video_tokens, TINY_TEXT_LEN, False)}
+    modes = {(layer.rsplit(".", 1)[-1], rec.mode) for (_, layer, *_), rec in handle.stats.records.items()}
+    assert modes == {("attn1", "dense"), ("attn2", "dense"), ("attn2", "sage-int8")}
+
+
+def test_each_cosmos3_role_gets_its_own_call(monkeypatch):
+    transformer, kwargs = cosmos3_transformer_call()
+    seen = _recorded_roles(monkeypatch)
+    with enable_trtllm_attention(transformer, {"default": {"backend": "TORCH_REFERENCE"}}), torch.no_grad():
+        transformer(**kwargs)
+    roles = {role: (q, k, causal) for role, q, k, causal in seen}
+    text, gen = roles["und_causal"][0], roles["gen_full"][0]
+    assert roles == {"und_causal": (text, text, True), "gen_full": (gen, text + gen, False)}
+
+
+def test_statistics_off_runs_the_uncounted_op(monkeypatch):
+    """With statistics off a call allocates nothing for counts: the plain op runs, never the counted one."""
+    called = []
+    for name in ("attention", "attention_counted"):
+        op = getattr(torch.ops.diffusers_trtllm, name)
+        monkeypatch.setattr(torch.ops.diffusers_trtllm, name,
+                            lambda *args, _op=op, _name=name: called.append(_name) or _op(*args))
+    model = tiny_wan()
+    inputs = wan_inputs(batch=1, frames=1, height=8, width=8)
+    for collect_stats, op in ((False, "attention"), (True, "attention_counted")):
+        called.clear()
+        with enable_trtllm_attention(model, SAGE, collect_stats=collect_stats), torch.no_grad():
+            model(**inputs)
+        assert set(called) == {op}, (collect_stats, called)
+
+
+def test_the_reference_seam_is_decided_at_install(monkeypatch):
+    """TRTLLM_ATTN on the reference (the CPU test seam) is chosen when the call site is planned: the variable
+    is not read per call."""
+    monkeypatch.setenv(TRTLLM_ON_REFERENCE_ENV, "1")
+    transformer, kwargs = cosmos3_transformer_call()
+    config = {"default": {"backend": "TRTLLM_ATTN"}, "per_role": {"und_causal": {"backend": "TORCH_SDPA"}}}
+    with enable_trtllm_attention(transformer, config) as handle:
+        monkeypatch.delenv(TRTLLM_ON_REFERENCE_ENV)
+        with torch.no_grad():
+            transformer(**kwargs)  # TRTLLM_ATTN's kernels would refuse a CPU
+        assert {rec.backend for rec in handle.stats.records.values()} == {"TRTLLM_ATTN", "TORCH_SDPA"}
