@@ -115,7 +115,7 @@ class AttentionCall:
         skip = self.skip if skip is None else skip
         if skip is None or not skip.skips:
             return 0.0
-        if skip.disabled_until_timestep > 0.0 and (timestep is None or timestep >= skip.disabled_until_timestep):
+        if skip.disabled_until_timestep > 0.0 and (timestep is None or timestep > skip.disabled_until_timestep):
             return 0.0
         if skip.threshold is not None:
             return skip.threshold
