@@ -12,7 +12,9 @@ package's entry there. It wraps two vLLM-Omni methods, each only where ``TRTLLM_
   ``TRTLLM_ATTN`` cannot run on the pipeline's device, and installs this package's processors on every
   transformer of the pipeline with :func:`~diffusers_trtllm.enable_trtllm_attention` (calibrations read from
   each transformer's ``config.json``, timestep gate read from the transformer's timestep argument and the
-  pipeline's scheduler). The handle is kept on the adapter as ``trtllm_attention``.
+  pipeline's scheduler). The handle is kept on the adapter as ``trtllm_attention``. vLLM-Omni's log then says,
+  once per pipeline, that this package serves ``TRTLLM_ATTN`` and which backend runs each role; what the install
+  warns about goes there too.
 - ``OmniDiffusionConfig._propagate_skip_softmax_calibration``: on the diffusers load format vLLM-Omni reads the
   calibration from an empty transformer config and so refuses every ``target_sparsity``; this package reads the
   checkpoint's calibration itself when it installs, and refuses ``target_sparsity`` without one there.
@@ -28,14 +30,19 @@ import functools
 import importlib.metadata
 import logging
 import os
+import warnings
+from collections import Counter
 
 import torch
 
 from ..config import TORCH_SDPA, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
 from ..errors import AttentionConfigError, BackendUnavailableError, invalid
 from ..install import enable_trtllm_attention
+from ..version import __version__
 
-logger = logging.getLogger("diffusers_trtllm")
+# vLLM-Omni's log: its "vllm_omni" logger propagates to vLLM's handler ("vllm"), which a logger outside that
+# tree (this package's "diffusers_trtllm") lacks in a vLLM-Omni process.
+logger = logging.getLogger("vllm_omni.plugins.diffusers_trtllm")
 
 TESTED_VLLM_OMNI = "0.30.0"
 #: the adapter attribute that holds the :class:`~diffusers_trtllm.TrtllmAttentionHandle` of its pipeline
@@ -48,6 +55,9 @@ DENSE_BACKENDS = (TORCH_SDPA,)
 # vLLM-Omni's SAGE V dtype; this package's SAGE always quantizes V per channel to fp8 e4m3
 SAGE_V_DTYPE = "fp8_e4m3"
 PROBE_TOKENS, PROBE_HEAD_DIM = 128, 128  # one tile at the head_dim every TRT-LLM kernel takes
+# What a refusal tells the user to select instead: vLLM-Omni's own diffusers backends, without this package
+INSTEAD = ('select another backend in diffusion_attention_config instead, e.g. {"default": {"backend": '
+           '"TORCH_SDPA"}} (or FLASH_ATTN on a CUDA GPU, or leave the backend unset): vLLM-Omni serves those itself')
 _WRAPPED = "__diffusers_trtllm_wrapped__"
 
 
@@ -160,17 +170,38 @@ def checked_config(pipeline, vllm_omni_config) -> AttentionConfig:
     if reason is not None:
         raise BackendUnavailableError(
             f"diffusion_attention_config selects TRTLLM_ATTN ({', '.join(trtllm_selected_by(vllm_omni_config))}), "
-            f"but diffusers_trtllm cannot run it for {type(pipeline).__name__} on {device} in {dtype}: {reason}")
+            f"but diffusers_trtllm cannot run it for {type(pipeline).__name__} on {device} in {dtype}: {reason}. "
+            f"To serve this pipeline there, {INSTEAD}")
     return config
 
 
 def install_on_pipeline(pipeline, config: AttentionConfig):
     """Install this package's processors on every transformer of ``pipeline`` (loaded by vLLM-Omni's diffusers
-    adapter); returns the :class:`~diffusers_trtllm.TrtllmAttentionHandle`."""
-    handle = enable_trtllm_attention(pipeline, config, collect_stats=os.environ.get(COLLECT_STATS_ENV) == "1")
-    logger.info("vLLM-Omni diffusers path: diffusers_trtllm processors on %s of %s with %s",
-                ", ".join(handle.components), type(pipeline).__name__, config.to_json())
+    adapter) and say so in vLLM-Omni's log: the backend of each role, and what the install warned about (a
+    warning goes to stderr once per process, which a server's log may not show). Returns the
+    :class:`~diffusers_trtllm.TrtllmAttentionHandle`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = enable_trtllm_attention(pipeline, config, collect_stats=os.environ.get(COLLECT_STATS_ENV) == "1")
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        logger.warning("%s", message)
+    logger.info("TRTLLM_ATTN for %s is served by diffusers_trtllm %s: %s (config %s)", type(pipeline).__name__,
+                __version__, backends_by_role(handle), config.to_json())
     return handle
+
+
+def backends_by_role(handle) -> str:
+    """What runs each role of each component, e.g. ``transformer: self_attn TRTLLM_ATTN sage-fp8_e4m3 (40
+    layers), cross_attn TORCH_SDPA dense (40 layers)``; a role whose layers differ lists each kind."""
+    runs: dict[str, dict[str, Counter]] = {}
+    for site, call in handle.planner.calls.items():
+        kind = f"{call.backend} {call.mode(call.skip is not None)}"
+        runs.setdefault(site.component, {}).setdefault(site.role, Counter())[kind] += 1
+    return "; ".join(
+        f"{component}: " + ", ".join(
+            f"{role} " + " / ".join(f"{kind} ({n} layer{'s' if n > 1 else ''})" for kind, n in kinds.items())
+            for role, kinds in roles.items())
+        for component, roles in runs.items())
 
 
 # --- wrapping vLLM-Omni ---------------------------------------------------------------------------------------
@@ -179,7 +210,7 @@ def _untested_version_error(version: str) -> BackendUnavailableError:
     return BackendUnavailableError(
         f"TRTLLM_ATTN on vLLM-Omni's diffusers path is provided by diffusers_trtllm for vllm-omni "
         f"{TESTED_VLLM_OMNI} (the adapter methods it wraps were read there); installed is vllm-omni {version}. "
-        f"Install vllm-omni=={TESTED_VLLM_OMNI}, or select another backend")
+        f"Install vllm-omni=={TESTED_VLLM_OMNI}, or {INSTEAD}")
 
 
 def _set_attention_backend_wrapper(original, version: str):

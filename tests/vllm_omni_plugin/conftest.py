@@ -1,13 +1,17 @@
-"""Fixtures for the vLLM-Omni plugin tests: a tiny two-expert Wan 2.2 pipeline directory, and vLLM-Omni's real
-diffusers adapter loading it and generating from it."""
+"""Fixtures for the vLLM-Omni plugin tests: tiny Wan 2.2 (two experts), HunyuanVideo 1.5 and Cosmos 3 pipeline
+directories, vLLM-Omni's real diffusers adapter loading them and generating from them, and vLLM-Omni's log."""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
 
 import pytest
 import torch
 
 from diffusers_trtllm.calibration import SkipCalibration, write_calibration
-from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline
+from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_pipeline, tiny_hunyuan_video15_pipeline, tiny_wan22_pipeline
 
 PROMPT = "a red fox in snow"
 MAX_SEQUENCE_LENGTH = 16
@@ -22,18 +26,60 @@ CALIBRATIONS = {"transformer": SkipCalibration(a=2.0, b=1.0, ignore=("blocks.0.a
                 "transformer_2": SkipCalibration(a=2.0, b=1.0)}
 
 
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny pipeline as vLLM-Omni serves it: how it is built, its transformers, the processor class this package
+    installs on them (the checkpoint's Skip-Softmax calibration per transformer), what one request asks, and the load-time call arguments and output type."""
+
+    build: Callable
+    calibrations: dict[str, SkipCalibration]
+    processor: str
+    sampling: dict
+    call_kwargs: dict = field(default_factory=dict)
+    output_type: str = "latent"
+    #: attention modules this package leaves to diffusers' processors (module name prefix)
+    left_alone: str | None = None
+
+
+MODELS = {
+    "wan22": TinyModel(tiny_wan22_pipeline, CALIBRATIONS, "WanTrtllmAttnProcessor", SAMPLING,
+                       {"max_sequence_length": MAX_SEQUENCE_LENGTH}, "pt"),
+    "hunyuan_video15": TinyModel(tiny_hunyuan_video15_pipeline, {"transformer": SkipCalibration(a=2.0, b=1.0)},
+                                 "HunyuanVideo15TrtllmAttnProcessor",
+                                 dict(height=32, width=32, num_frames=5, num_inference_steps=3, seed=0),
+                                 left_alone="context_embedder.token_refiner."),
+    "cosmos3": TinyModel(tiny_cosmos3_pipeline, {"transformer": SkipCalibration(a=2.0, b=1.0)},
+                         "Cosmos3TrtllmAttnProcessor",
+                         dict(height=32, width=32, num_frames=5, num_inference_steps=3, guidance_scale=2.0, seed=0)),
+}
+
+
 @pytest.fixture(scope="session")
-def pipeline_dir(tmp_path_factory):
-    """A saved tiny Wan 2.2 A14B-shaped pipeline (two experts, UniPC flow shift 3, word-level tokenizer built in
-    code, so nothing is downloaded) whose transformers' config.json carry a Skip-Softmax calibration."""
-    path = tmp_path_factory.mktemp("tiny_wan22")
-    tiny_wan22_pipeline(0).save_pretrained(path)
-    for component, calibration in CALIBRATIONS.items():
-        write_calibration(path / component, calibration)
-    return path
+def saved_pipeline(tmp_path_factory):
+    """``saved_pipeline(name)``: the folder of a saved tiny pipeline of :data:`MODELS` (built in code, nothing is
+    downloaded) whose transformers' config.json carry the model's Skip-Softmax calibrations."""
+    folders = {}
+
+    def folder(name: str):
+        if name not in folders:
+            path = tmp_path_factory.mktemp(f"tiny_{name}")
+            MODELS[name].build(0).save_pretrained(path)
+            for component, calibration in MODELS[name].calibrations.items():
+                write_calibration(path / component, calibration)
+            folders[name] = path
+        return folders[name]
+
+    return folder
 
 
-def load_adapter(pipeline_dir, attention_config: dict, dtype: torch.dtype = torch.float32):
+@pytest.fixture(scope="session")
+def pipeline_dir(saved_pipeline):
+    """The saved tiny Wan 2.2 A14B-shaped pipeline (two experts, UniPC flow shift 3); the high-noise expert's
+    calibration keeps its first self-attention dense."""
+    return saved_pipeline("wan22")
+
+
+def load_adapter(pipeline_dir, attention_config: dict, dtype: torch.dtype = torch.float32, model: str = "wan22"):
     """vLLM-Omni's DiffusersAdapterPipeline with ``--diffusion-load-format diffusers`` and
     ``--diffusion-attention-config attention_config``, loaded on the CPU."""
     from vllm_omni.diffusion.data import OmniDiffusionConfig
@@ -41,7 +87,7 @@ def load_adapter(pipeline_dir, attention_config: dict, dtype: torch.dtype = torc
 
     od_config = OmniDiffusionConfig.from_kwargs(
         model=str(pipeline_dir), dtype=dtype, diffusion_load_format="diffusers",
-        diffusers_call_kwargs={"max_sequence_length": MAX_SEQUENCE_LENGTH}, output_type="pt",
+        diffusers_call_kwargs=MODELS[model].call_kwargs, output_type=MODELS[model].output_type,
         diffusion_attention_config=attention_config)
     od_config.enrich_config()
     adapter = DiffusersAdapterPipeline(od_config=od_config, device=torch.device("cpu"))
@@ -49,15 +95,49 @@ def load_adapter(pipeline_dir, attention_config: dict, dtype: torch.dtype = torc
     return adapter
 
 
-def generate(adapter) -> torch.Tensor:
-    """One request through the adapter's forward, as a diffusion worker runs it; the video ``[1, F, C, H, W]``."""
+def request_batch(sampling: dict = SAMPLING):
+    """One text-to-video request, as a diffusion worker hands it to the adapter."""
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-    request = OmniDiffusionRequest(prompt={"prompt": PROMPT}, sampling_params=OmniDiffusionSamplingParams(**SAMPLING),
+    request = OmniDiffusionRequest(prompt={"prompt": PROMPT}, sampling_params=OmniDiffusionSamplingParams(**sampling),
                                    request_id="request-0")
-    return adapter.forward(DiffusionRequestBatch(requests=[request])).output
+    return DiffusionRequestBatch(requests=[request])
+
+
+def generate(adapter, sampling: dict = SAMPLING) -> torch.Tensor:
+    """One request through the adapter's forward; the video (Wan 2.2: ``[1, F, C, H, W]``) or latents."""
+    output = adapter.forward(request_batch(sampling)).output
+    return getattr(output, "video", output)  # Cosmos 3's pipeline output has neither frames nor images
+
+
+class Records(logging.Handler):
+    """Keeps the records that reach the logger it is added to."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, contains: str = "") -> list[str]:
+        return [r.getMessage() for r in self.records if contains in r.getMessage()]
+
+
+@pytest.fixture
+def vllm_log():
+    """What reaches vLLM-Omni's log: the ``vllm`` logger, the one that vLLM configures with a handler (and
+    ``vllm_omni``'s loggers propagate to); a record only logged elsewhere is not in a server's log."""
+    import vllm_omni.logger  # noqa: F401  (vLLM-Omni's own logger setup, done when vllm_omni is imported)
+
+    vllm = logging.getLogger("vllm")
+    assert vllm.handlers and not vllm.propagate, "vLLM configures its own handler on the 'vllm' logger"
+    records = Records()
+    vllm.addHandler(records)
+    yield records
+    vllm.removeHandler(records)
 
 
 def attention_processors(pipeline) -> dict[str, tuple[str, object]]:
