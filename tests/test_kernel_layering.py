@@ -3,27 +3,35 @@
 import ast
 import pathlib
 
-KERNELS = pathlib.Path(__file__).resolve().parents[1] / "diffusers_trtllm" / "kernels"
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "diffusers_trtllm"
+KERNELS = PACKAGE / "kernels"
 
 
-def _package_imports(path: pathlib.Path) -> list[str]:
+def _package_imports(path: pathlib.Path, package: pathlib.Path = PACKAGE) -> list[str]:
+    """The modules of ``package`` that ``path`` imports, relative imports resolved against ``path``'s package."""
+    here = list(path.relative_to(package.parent).with_suffix("").parts[:-1])
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level >= 2 or (node.level == 0 and module.startswith("diffusers_trtllm")):
-                found.append(f"{'.' * node.level}{module}")
-            elif node.level == 1 and module == "" and any(a.name not in _kernel_modules() for a in node.names):
-                found.append(", ".join(a.name for a in node.names))
+            module = ".".join((here[:len(here) - node.level + 1] if node.level else []) + [node.module or ""])
+            found += [module.strip(".")] if node.module else [f"{module}{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.startswith("diffusers_trtllm")]
-    return found
-
-
-def _kernel_modules() -> set[str]:
-    return {p.stem for p in KERNELS.glob("*.py")}
+            found += [alias.name for alias in node.names]
+    return [name for name in found if name.split(".")[0] == package.name]
 
 
 def test_kernels_import_nothing_from_the_rest_of_the_package():
-    offenders = {p.name: _package_imports(p) for p in KERNELS.glob("*.py")}
+    offenders = {str(p.relative_to(KERNELS)): [name for name in _package_imports(p)
+                                               if not name.startswith(f"{PACKAGE.name}.kernels.")]
+                 for p in KERNELS.rglob("*.py")}
     assert {name: imports for name, imports in offenders.items() if imports} == {}
+
+
+def test_relative_imports_are_resolved_from_nested_packages(tmp_path):
+    package = tmp_path / PACKAGE.name
+    nested = package / "kernels" / "sub"
+    nested.mkdir(parents=True)
+    (nested / "mod.py").write_text("from ...quant import P_SCALE\nfrom .. import numerics\nfrom . import sibling\n"
+                                   "import torch\n")
+    assert _package_imports(nested / "mod.py", package) == [
+        f"{PACKAGE.name}.quant", f"{PACKAGE.name}.kernels.numerics", f"{PACKAGE.name}.kernels.sub.sibling"]

@@ -22,6 +22,7 @@ from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import TORCH_REFERENCE, AttnQuantSpec
 from diffusers_trtllm.kernels import triton_sage
+from diffusers_trtllm.kernels.numerics import HEAD_DIM
 from diffusers_trtllm.quant import SageSemantics, quantize_sequence
 
 QK_DTYPES = ("int8", "fp8_e4m3")
@@ -34,12 +35,12 @@ def _positional_qkv(lens_q, lens_kv, heads_q, heads_kv, sharpness, dtype=torch.b
     tiles fall under λ and some do not; the same idea as the ``peaky`` generator of shared/probes."""
     def features(lengths, heads):
         pos = torch.cat([torch.arange(n, dtype=torch.float32) for n in lengths])[:, None]
-        freqs = torch.logspace(-3, -0.5, triton_sage.HEAD_DIM // 2)[None, :]
+        freqs = torch.logspace(-3, -0.5, HEAD_DIM // 2)[None, :]
         base = torch.cat([torch.sin(pos * freqs), torch.cos(pos * freqs)], dim=1)[:, None, :]
-        return base.expand(-1, heads, -1) + 0.3 * torch.randn(pos.shape[0], heads, triton_sage.HEAD_DIM)
+        return base.expand(-1, heads, -1) + 0.3 * torch.randn(pos.shape[0], heads, HEAD_DIM)
     q = features(lens_q, heads_q) * sharpness
     k = features(lens_kv, heads_kv) * sharpness
-    v = torch.randn(sum(lens_kv), heads_kv, triton_sage.HEAD_DIM)
+    v = torch.randn(sum(lens_kv), heads_kv, HEAD_DIM)
     return VarlenQKV(*(x.to(dtype).to(device) for x in (q, k, v)), tuple(lens_q), tuple(lens_kv))
 
 
@@ -48,7 +49,7 @@ def _offset_qkv(lens, periods, tile_keys, dtype=torch.bfloat16, device="cpu"):
     ``j % periods[h] == periods[h] - 1`` score 8 nats below the others (one query channel constant, the matching
     key channel carrying the offset, over N(0, 0.3²) noise): at λ = 0.01 every query tile skips exactly those
     tiles, about 1 / period of them."""
-    d, heads = triton_sage.HEAD_DIM, len(periods)
+    d, heads = HEAD_DIM, len(periods)
     q = 0.3 * torch.randn(sum(lens), heads, d)
     k = 0.3 * torch.randn(sum(lens), heads, d)
     q[..., 0] = 1.0
@@ -61,7 +62,7 @@ def _offset_qkv(lens, periods, tile_keys, dtype=torch.bfloat16, device="cpu"):
 
 def _random_qkv(lens_q, lens_kv, heads_q, heads_kv, dtype=torch.bfloat16, device="cpu", k_offset=0.5):
     """Random packed Q, K, V; K has a per-channel offset so that smoothing matters."""
-    d = triton_sage.HEAD_DIM
+    d = HEAD_DIM
     q = torch.randn(sum(lens_q), heads_q, d)
     k = torch.randn(sum(lens_kv), heads_kv, d) + k_offset * torch.randn(1, heads_kv, d)
     v = torch.randn(sum(lens_kv), heads_kv, d)
@@ -427,7 +428,7 @@ def test_gpu_heads_that_do_not_pay_run_the_dense_launchs_binary():
     launch's kernel (compiled apart, the same loop ran measurably faster or slower)."""
     qkv = _offset_qkv((4096,), (2, 20), 128, device="cuda")  # one head pays, one does not
     quantized = _quantize(qkv, AttnQuantSpec("int8", 1, 16))
-    compiled = triton_sage._sage_attention_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = triton_sage.attention._sage_attention_kernel.device_caches[torch.cuda.current_device()][0]
     # a setting no other test launches with, so that every binary here is compiled here
     dense_launch = dataclasses.replace(triton_sage.DENSE_LAUNCH, fp8_qk_chunk=64)
     sampling = dataclasses.replace(triton_sage.skip_launch((64, 128), (4, 0.25)), fp8_qk_chunk=64)
