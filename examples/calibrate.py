@@ -74,15 +74,15 @@ def with_suggested_target(result: CalibrationResult, target: float) -> Calibrati
     return dataclasses.replace(result, fits=fits)
 
 
-def plot(result: CalibrationResult, path: Path) -> None:
+def plot(result: CalibrationResult, path: Path, target: float | None) -> None:
     """Achieved sparsity against λ per component (points per prompt) with the fitted curve
-    s = log(λ·kv_len / a) / b."""
+    s = log(λ·kv_len / a) / b, and the target the checkpoint suggests."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5), layout="constrained")
     highest = 0.0
     for (component, fit), color in zip(result.fits.items(), ("tab:blue", "tab:orange", "tab:green")):
         cal = fit.calibration
@@ -98,16 +98,20 @@ def plot(result: CalibrationResult, path: Path) -> None:
         curve = np.log(grid * kv_len / cal.a) / cal.b
         ax.plot(grid, curve, color=color,
                 label=f"{component}: a={cal.a:.3g}, b={cal.b:.3g}, R²={fit.r_squared:.3f} (kv_len {kv_len})")
-        highest = max(highest, sparsity.max())
+        highest = max(highest, sparsity.max(), curve.max())
+    if target is not None:
+        ax.axhline(target, color="grey", ls=":", label=f"target sparsity the checkpoint suggests: {target:g}")
+        highest = max(highest, target)
     ax.set_xscale("log")
-    ax.set_ylim(0, min(1.0, highest * 1.1) or 1.0)  # the curve below 0 (small λ) skips nothing: not shown
+    # the axis fits what was measured and fitted (a tiny model reaches about 0.45, a trained one more); the
+    # curve's negative part at small λ means "skips nothing" and is left out
+    ax.set_ylim(0, min(1.0, highest * 1.1) if highest > 0 else 1.0)
     ax.set_xlabel("λ = factor / kv_len")
     rows, cols = result.settings["calibration"]["tile"]
     ax.set_ylabel(f"achieved sparsity (skipped {rows}×{cols} tiles)")
     ax.set_title("Skip-Softmax calibration: factor = a·exp(b·s)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -176,7 +180,7 @@ def main(argv=None) -> CalibrationResult:
     if args.model is None:
         pipe.save_pretrained(output_dir)
     result.save(output_dir, pipe)
-    plot(result, output_dir / "calibration.png")
+    plot(result, output_dir / "calibration.png", target)
     print(result.summary())
     print(f"wrote {output_dir} (config.json + {len(result.fits)} sidecar(s)) and calibration.png")
     if target is None:

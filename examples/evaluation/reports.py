@@ -76,7 +76,8 @@ def plot_sparsity(grids: Mapping[str, Mapping[tuple[int, str], float | None]], p
     configurations in one panel; then per configuration a step × layer heatmap of the layers that ran
     Skip-Softmax. Grey cells: nothing counted there (the gate kept the step dense on a backend that does not
     count, or the layer's expert did not run that step). ``grids`` maps a configuration label to
-    :func:`sparsity_grid`."""
+    :func:`sparsity_grid`. The sparsity axis and the colour scale run from 0 to the highest value counted (a
+    little above it), not to 1: a trained model may skip most tiles, a tiny random one a few percent."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,14 +87,16 @@ def plot_sparsity(grids: Mapping[str, Mapping[tuple[int, str], float | None]], p
     from matplotlib.ticker import MaxNLocator
 
     labels = list(grids)
+    counted = [value for grid in grids.values() for value in grid.values() if value is not None]
+    top = _axis_top(max(counted, default=0.0))
     columns = min(3, len(labels))
     heat_rows = -(-len(labels) // columns)
-    fig = plt.figure(figsize=(13, 3.6 + 3.2 * heat_rows), layout="constrained")
-    layout = fig.add_gridspec(1 + heat_rows, columns, height_ratios=[1.1] + [1.0] * heat_rows)
+    fig = plt.figure(figsize=(13, 4.4 + 3.2 * heat_rows), layout="constrained")
+    layout = fig.add_gridspec(1 + heat_rows, columns, height_ratios=[1.4] + [1.0] * heat_rows)
     mean_ax = fig.add_subplot(layout[0, :])
     heat_axes = []
     cmap = plt.get_cmap("viridis").with_extremes(bad="0.85")
-    image = None
+    image, highest_mean = None, 0.0
     for index, label in enumerate(labels):
         grid = grids[label]
         steps = sorted({s for s, _ in grid})
@@ -106,9 +109,10 @@ def plot_sparsity(grids: Mapping[str, Mapping[tuple[int, str], float | None]], p
             warnings.simplefilter("ignore", RuntimeWarning)
             step_mean = np.nanmean(matrix, axis=0)
         mean_ax.plot(steps, step_mean, marker=MARKERS[index % len(MARKERS)], label=label)
+        highest_mean = max(highest_mean, float(np.nanmax(step_mean, initial=0.0)))
         ax = fig.add_subplot(layout[1 + index // columns, index % columns])
         heat_axes.append(ax)
-        image = ax.imshow(np.ma.masked_invalid(matrix), aspect="auto", vmin=0, vmax=1, cmap=cmap,
+        image = ax.imshow(np.ma.masked_invalid(matrix), aspect="auto", vmin=0, vmax=top, cmap=cmap,
                           interpolation="nearest")
         every = max(1, len(layers) // 16)  # at most ~16 layer names per heatmap stay readable
         ax.set_yticks(range(0, len(layers), every), [_short_layer(layers[i]) for i in range(0, len(layers), every)],
@@ -116,12 +120,14 @@ def plot_sparsity(grids: Mapping[str, Mapping[tuple[int, str], float | None]], p
         ax.set_xticks(range(len(steps)), steps, fontsize=7)
         ax.set_xlabel("step", fontsize=8)
         ax.set_title(label, fontsize=8)
-    mean_ax.set_ylim(-0.02, 1.02)
+    mean_top = _axis_top(highest_mean)
+    mean_ax.set_ylim(-0.02 * mean_top, mean_top)
     mean_ax.set_xlabel("denoising step")
     mean_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     mean_ax.set_ylabel("mean sparsity\n(skipping layers)")
     mean_ax.grid(alpha=0.3)
-    mean_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    # under the axes, not beside them: beside, it would narrow every heatmap column as well
+    mean_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=min(3, len(labels)))
     if image is not None:
         fig.colorbar(image, ax=heat_axes, fraction=0.02, label="skipped / all KV tiles")
     fig.suptitle(f"{title}\nheatmaps: the layers that ran Skip-Softmax (rows) per step; grey: no Skip-Softmax "
@@ -129,6 +135,13 @@ def plot_sparsity(grids: Mapping[str, Mapping[tuple[int, str], float | None]], p
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _axis_top(highest: float) -> float:
+    """An axis end a tenth above ``highest`` at two significant digits, at most 1 (nothing counted: 1)."""
+    if highest <= 0:
+        return 1.0
+    return min(1.0, float(f"{highest * 1.1:.2g}"))
 
 
 def _natural_key(name: str):
