@@ -6,6 +6,7 @@ set before Triton is imported), and every refusal. GPU (``-m gpu``, sm_90): the 
 ``TRTLLM_ATTN`` against ``TORCH_REFERENCE`` of the same semantics and against exact float32 attention.
 """
 
+import hashlib
 import os
 import re
 import subprocess
@@ -71,8 +72,9 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
-    for path, old, new in (*fmha_v2_sage.V_LAYOUT_PATCHES, *fmha_v2_sage.HALF_STEP_SKIP_PATCHES,
-                           *fmha_v2_sage.V_SCALE_EPILOGUE_PATCHES, *fmha_v2_sage.MUTEX_TURN_PATCHES):
+    hunks = [hunk for patch in fmha_v2_sage.header_patch_files() for hunk in fmha_v2_sage.read_patch(patch)]
+    assert len(hunks) == 18
+    for path, old, new in hunks:
         assert sources[path].count(new) == 1 and (old in new or old not in sources[path])
     assert "DMA_GROUP_TRANSPOSE_V = 0" in sources["fmha/warpspec/kernel_traits.h"]
     # half-step skips: both halves voted, the exps and the BMM2 K group of a skipped half left out
@@ -85,7 +87,7 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     assert "static_cast<int64_t>(sage_scale_row) * params.sage.v.max_nblock" in compute
     # one mutex turn for P·V and the next Q·Kᵀ in the dense 256-key-step kernels only; every wait in a kernel
     # with that turn is matched by one arrive: per step, one before BMM2 and one after BMM1, plus one per KV loop
-    turn = fmha_v2_sage._TURN_SPANS_BMM2
+    turn = "MUTEX_TURN_SPANS_BMM2"
     assert (f"{turn} = ENABLE_MUTEX && Kernel_traits::STEP_KV == 256 &&\n"
             "         !Kernel_traits::ENABLE_SKIP_SOFTMAX") in compute
     assert compute.count(f"if constexpr ({turn})") == 2 and f"if (IS_FIRST_COL || !{turn})" in compute
@@ -96,11 +98,57 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     assert includes[0] == "-I/generated" and any(flag.endswith("fmha_v2") for flag in includes[1:])
 
 
-def test_v_layout_patches_refuse_a_changed_header(monkeypatch):
-    monkeypatch.setattr(fmha_v2_sage, "V_LAYOUT_PATCHES",
-                        (("fmha/warpspec/dma.h", "text FlashInfer no longer has", "x"),))
-    with pytest.raises(RuntimeError, match="dma.h changed"):
-        fmha_v2_sage.patched_headers()
+# sha256 over (path, NUL, text, NUL) of every patched header, sorted by path, with FlashInfer 0.7.2.post1's
+# headers: what the patches produced when they were Python strings. A deliberate change of a patch changes it.
+PATCHED_HEADERS_SHA256 = "ec642a1be9dbd7647709f6e6d219bef9a7d2acfdb42c441729478116fd2fcd0c"
+
+
+def test_patch_files_produce_the_headers_the_kernels_were_measured_with():
+    import flashinfer
+
+    if flashinfer.__version__ != "0.7.2.post1":
+        pytest.skip(f"the digest is of FlashInfer 0.7.2.post1's headers; installed: {flashinfer.__version__}")
+    headers = fmha_v2_sage.patched_headers()
+    digest = hashlib.sha256()
+    for path in sorted(headers):
+        digest.update(path.encode() + b"\0" + headers[path].encode() + b"\0")
+    assert sorted(headers) == ["fmha/warpspec/compute.h", "fmha/warpspec/dma.h", "fmha/warpspec/epilogue.h",
+                               "fmha/warpspec/kernel_traits.h"]
+    assert digest.hexdigest() == PATCHED_HEADERS_SHA256
+
+
+def test_header_patches_refuse_a_changed_header(tmp_path):
+    patch = tmp_path / "changed.patch"
+    patch.write_text("a hunk whose text FlashInfer no longer has\n\n--- a/fmha/warpspec/dma.h\n"
+                     "+++ b/fmha/warpspec/dma.h\n@@ -1,2 +1,2 @@\n text FlashInfer\n-no longer has\n+x\n")
+    assert fmha_v2_sage.read_patch(patch) == (
+        fmha_v2_sage.HeaderPatch("fmha/warpspec/dma.h", "text FlashInfer\nno longer has\n", "text FlashInfer\nx\n"),)
+    with pytest.raises(RuntimeError, match="dma.h changed: a text changed.patch patches was found 0 times"):
+        fmha_v2_sage.patched_headers((patch,))
+
+
+@pytest.mark.parametrize("hunk", ["@@ -1,3 +1,2 @@\n context\n-old\n+new\n", "@@ -one +1 @@\n-old\n+new\n",
+                                  "@@ -1 +1 @@\n-old\n*new\n"])
+def test_malformed_patches_are_refused(tmp_path, hunk):
+    patch = tmp_path / "bad.patch"
+    patch.write_text(f"--- a/fmha/x.h\n+++ b/fmha/x.h\n{hunk}")
+    with pytest.raises(ValueError, match="bad.patch, line"):
+        fmha_v2_sage.read_patch(patch)
+
+
+def test_every_build_source_ships_with_the_package():
+    """setup.cfg's package_data names every file under kernels/csrc (a wheel carries nothing else there)."""
+    import configparser
+    import pathlib
+
+    root = pathlib.Path(fmha_v2_sage.__file__).parents[1]
+    config = configparser.ConfigParser()
+    config.read(root.parent / "setup.cfg")
+    patterns = [p.strip() for p in config["options.package_data"]["diffusers_trtllm"].split(",")]
+    shipped = {path for pattern in patterns for path in root.glob(pattern)}
+    on_disk = {path for path in (root / "kernels" / "csrc").rglob("*") if path.is_file()}
+    assert fmha_v2_sage.BINDING_SOURCE in shipped and set(fmha_v2_sage.header_patch_files()) <= shipped
+    assert on_disk == shipped
 
 
 def test_padding_mask_only_refuses_a_changed_template():

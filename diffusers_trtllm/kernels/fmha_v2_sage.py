@@ -3,9 +3,9 @@
 FlashInfer ships FMHAv2's sources with SageAttention support (kernel traits ``SAGE_BLOCK_SIZE_Q/K/V``, kernel
 parameters ``sage.{q,k,v}``) and the generator that instantiates them, but its Python API never fills the SAGE
 parameters. This module generates the SAGE variants with FlashInfer's own generator
-(``flashinfer.jit.attention.fmha_v2.fmha_library``), compiles them with this package's host binding
-(``csrc/fmha_v2_sage.cu``) through FlashInfer's JIT (once per machine, cached), and quantizes Q, K and V for
-them with one fused Triton pass.
+(``flashinfer.jit.attention.fmha_v2.fmha_library``), patches FMHAv2's headers (``csrc/fmha_v2_patches/``,
+:data:`HEADER_PATCHES`), compiles them with this package's host binding (``csrc/fmha_v2_sage.cu``) through
+FlashInfer's JIT (once per machine, cached), and quantizes Q, K and V for them with one fused Triton pass.
 
 Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_v2`` semantics model them):
 
@@ -14,15 +14,15 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   quantized to fp8 e4m3 (scale = block amax / 448), blocks from each sequence's start;
 - V per (sequence, head, channel) to fp8 e4m3. The kernel's own V block scales are loaded but never applied
   (``compute.h``'s ``APPLY_SCALE_V`` only records them, in FlashInfer 0.7.2 as in TRT-LLM), so the kernels have
-  no V blocks and their epilogue multiplies the output by V's per-channel scales (:data:`V_SCALE_EPILOGUE_PATCHES`);
+  no V blocks and their epilogue multiplies the output by V's per-channel scales (``v_scale_epilogue.patch``);
 - P quantized to fp8 as ``P · 256`` (FMHAv2's ``Softmax_fp_quant_scale<e4m3>``); row sums from unquantized P;
 - Skip-Softmax in the same kernel: each warpgroup (64 query rows) skips 128 keys (:data:`SKIP_TILE`) when every
   row's ``exp(tile_max - running_max) < skip_factor / kv_len``, with ``running_max`` the one at the start of the
-  KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart by
-  :data:`HALF_STEP_SKIP_PATCHES`, or 128); the first KV step is never skipped.
+  KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart
+  (``half_step_skip.patch``), or 128); the first KV step is never skipped.
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so every
-sequence has as many queries as keys (self-attention), and V already transposed (:data:`V_LAYOUT_PATCHES`).
+sequence has as many queries as keys (self-attention), and V already transposed (``v_layout.patch``).
 GPUs: sm_90 only (wgmma, TMA, setmaxnreg).
 """
 
@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import re
 import time
 from typing import NamedTuple
 
@@ -47,10 +48,9 @@ logger = logging.getLogger("diffusers_trtllm")
 Q_BLOCK = 64  # the kernel's query step per warpgroup: Q scale blocks must be a multiple of it
 K_BLOCKS = (0, 64, 128)  # compiled K scale blocks (0: one scale per sequence and head, folded into Q's)
 KV_STEPS = (256, 128)  # keys per KV step: FlashInfer's choice for e4m3, and a finer one for Skip-Softmax
-# K/V tiles the DMA warp keeps in flight, per KV step. V arrives transposed (:data:`V_LAYOUT_PATCHES`), so shared
-# memory needs no transpose scratch and holds three 256-key buffers (3 · 64 KiB + Q's 16 KiB) where FlashInfer's
-# e4m3 choice is two: about 1 % faster at Wan's shape on an H200 (benchmarks/RESULTS.md; two Q buffers on top were
-# slower). 128-key steps keep FlashInfer's two.
+# K/V tiles the DMA warp keeps in flight, per KV step. V arrives transposed (``v_layout.patch``), so shared memory
+# needs no transpose scratch and holds three 256-key buffers (3 · 64 KiB + Q's 16 KiB) where FlashInfer's e4m3
+# choice is two, which was the faster (benchmarks/RESULTS.md). 128-key steps keep FlashInfer's two.
 KV_BUFFERS = {256: 3, 128: 2}
 P_SCALE = 256.0  # P enters P·V as fp8(P * 256)
 BINDING_SOURCE = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_sage.cu"
@@ -113,298 +113,68 @@ def padding_mask_only(code: str) -> str:
     return "\n".join(kept) + "\n"
 
 
-# Hopper's fp8 MMA reads its B operand K-major, so FMHAv2 transposes every fp8 V tile in shared memory with its
-# whole DMA warpgroup, in series with that tile's TMA load, and the compute warpgroups wait for it even on tiles
-# Skip-Softmax skips: with every tile skipped the kernel still ran at 83 % of its dense time. These kernels read
-# V^T from global memory instead, as the quantizer writes it (`V^T layout` below): the DMA warp only issues TMA
-# loads. Each entry: header (relative to FlashInfer's fmha_v2 folder), text found exactly once, replacement.
-V_LAYOUT_PATCHES = (
-    ("fmha/warpspec/kernel_traits.h",
-     "  enum {\n    DMA_GROUP_TRANSPOSE_V = (std::is_same<Element_data_type, fmha::e4m3_t>::value ||\n"
-     "                             std::is_same<Element_data_type, fmha::e5m2_t>::value)\n  };\n",
-     "  enum { DMA_GROUP_TRANSPOSE_V = 0 };  // diffusers_trtllm: V arrives transposed\n"),
-    ("fmha/warpspec/dma.h",
-     "    // The sum_s for kv.\n    int sum_s_kv_;\n",
-     "    // The sum_s for kv.\n    int sum_s_kv_;\n"
-     "    // diffusers_trtllm: the sequence's first column in V^T (params.cu_kv_seqlens carries them).\n"
-     "    int sum_s_v_;\n"),
-    ("fmha/warpspec/dma.h",
-     "        sum_s_kv_ = sum_s_q_;\n",
-     "        sum_s_kv_ = sum_s_q_;\n        sum_s_v_ = params.cu_kv_seqlens[bidb];\n"),
-    ("fmha/warpspec/dma.h",
-     "      for (int di = 0; di < Kernel_traits::DV_GROUPS; ++di) {\n"
-     "        const int32_t v_coords[3] = {di * Kernel_traits::D_PER_GROUP, bidh_kv,\n"
-     "                                     sum_s_kv_ + kv_tile_start_offset};\n\n"
-     "        fmha::utmaldg<3, fmha::cudaTmaDescType::TILED, false>(\n"
-     "            desc_v,\n"
-     "            __cvta_generic_to_shared(\n"
-     "                &v_smem[v_barrier_id * TILE_SIZE_V + di * TILE_SIZE_V_PER_D_GROUP]),\n",
-     "      for (int kg = 0; kg < Kernel_traits::BMM2_K_GROUPS; ++kg) {\n"
-     "        // diffusers_trtllm: one load per 128-key group of V^T, all DV channels, where the transposer\n"
-     "        // would have written it.\n"
-     "        const int32_t v_coords[3] = {\n"
-     "            sum_s_v_ + kv_tile_start_offset + kg * Kernel_traits::BMM2_K_PER_GROUP, 0, bidh_kv};\n\n"
-     "        fmha::utmaldg<3, fmha::cudaTmaDescType::TILED, false>(\n"
-     "            desc_v,\n"
-     "            __cvta_generic_to_shared(&v_smem[v_barrier_id * TILE_SIZE_V +\n"
-     "                                             kg * Kernel_traits::BMM2_K_PER_GROUP * Kernel_traits::DV]),\n"),
-    ("fmha/warpspec/dma.h",
-     "        // V\n        kv_tma_descriptor.set_tma_desctriptor(\n"
-     "            v_ptr, desc_format, fmha::cudaTmaDescInterleave::INTERLEAVE_DISABLED, swizzle_mode,\n"
-     "            fmha::cudaTmaDescPromotion::PROMOTION_DISABLED, tensor_size_v, tensor_stride_v,\n"
-     "            traversal_stride, box_size_kv, oob_fill, fp32_to_tf32, &params.tma_desc_v);\n",
-     "        // diffusers_trtllm: V^T [h_kv, dv, columns] at params.v_ptr, v_stride_in_bytes = columns.\n"
-     "        (void)v_ptr;\n"
-     "        uint32_t tensor_size_v_t[3] = {uint32_t(params.v_stride_in_bytes), dv, h_kv};\n"
-     "        uint64_t tensor_stride_v_t[2] = {uint64_t(params.v_stride_in_bytes),\n"
-     "                                         uint64_t(params.v_stride_in_bytes) * dv};\n"
-     "        uint32_t box_size_v_t[3] = {Kernel_traits::BMM2_K_PER_GROUP, dv, 1};\n"
-     "        kv_tma_descriptor.set_tma_desctriptor(\n"
-     "            params.v_ptr, desc_format, fmha::cudaTmaDescInterleave::INTERLEAVE_DISABLED, swizzle_mode,\n"
-     "            fmha::cudaTmaDescPromotion::PROMOTION_DISABLED, tensor_size_v_t, tensor_stride_v_t,\n"
-     "            traversal_stride, box_size_v_t, oob_fill, fp32_to_tf32, &params.tma_desc_v);\n"),
-)
+# FMHAv2 header patches, applied in this order at build time (csrc/fmha_v2_patches/<name>.patch; each file says
+# what it changes and why).
+HEADER_PATCHES = ("v_layout", "half_step_skip", "v_scale_epilogue", "mutex_turn")
+PATCH_FOLDER = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_patches"
+_HUNK_HEADER = re.compile(r"@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
 
-# Skip-Softmax at half a KV step. FlashInfer's kernel decides skips per 64 rows × one KV step (256 keys at e4m3),
-# coarser than the 128 × 128 tiles sparsity is calibrated on: where the negligible keys come in runs of 128, only
-# the steps whose two halves are both negligible are skipped. With these patches each warpgroup decides per
-# 128-key half (both halves against the running max at the step's start) and skips a half's exps and its BMM2 K
-# group (one group of 128 keys per half at e4m3); a step with both halves negligible is skipped as before. The
-# kept path runs FlashInfer's code; the branch around the GMMAs is on a warp-uniform value (shuffled from lane 0),
-# which ptxas needs to keep them pipelined. 128-key-step kernels keep whole-step decisions.
-_HALF_STEPS = "Kernel_traits::STEP_KV == 256"  # one BMM2 K group per 128-key half (fp8: 128 bytes per group)
-HALF_STEP_SKIP_PATCHES = (
-    ("fmha/warpspec/epilogue.h",
-     "  float skip_softmax_threshold;\n",
-     "  float skip_softmax_threshold;\n"
-     "  // diffusers_trtllm: the 128-key half of this KV step the warpgroup skips (0: none, 1: first, 2: second).\n"
-     "  int skipped_half_;\n"),
-    ("fmha/warpspec/epilogue.h",
-     "      float pmax[4] = {elt_[mi][0], elt_[mi][1], elt_[mi][2], elt_[mi][3]};\n"
-     "#pragma unroll\n"
-     "      for (int ni = 4; ni < Mma_tile_p::CORES_N * 2; ni++) {\n"
-     "        pmax[ni & 3] = fmaxf(pmax[ni & 3], elt_[mi][ni]);\n"
-     "      }\n"
-     "      local_max_[mi] = fmaxf(fmaxf(pmax[0], pmax[1]), fmaxf(pmax[2], pmax[3]));\n"
-     "      local_max_[mi] = fmaxf(__shfl_xor_sync(uint32_t(-1), local_max_[mi], 1), local_max_[mi]);\n"
-     "      local_max_[mi] = fmaxf(__shfl_xor_sync(uint32_t(-1), local_max_[mi], 2), local_max_[mi]);\n"
-     "      if constexpr (may_skip) {\n"
-     "        if constexpr (!EXP2F_OPTIMIZATION) {\n"
-     "          skip &= expf(local_max_[mi] - global_max[mi]) < this->skip_softmax_threshold;\n"
-     "        } else {\n"
-     "          skip &= exp2f((local_max_[mi] - global_max[mi]) * scale) < this->skip_softmax_threshold;\n"
-     "        }\n"
-     "      }\n",
-     "      // diffusers_trtllm: the same four chains, two per 128-key half (elements [0, CORES_N) are the first\n"
-     "      // half's columns); decisions on each thread's partial maxima, which the warp vote ANDs anyway.\n"
-     "      constexpr int HALF = Mma_tile_p::CORES_N;\n"
-     "      float pmax[4] = {elt_[mi][0], elt_[mi][1], elt_[mi][HALF], elt_[mi][HALF + 1]};\n"
-     "#pragma unroll\n"
-     "      for (int ni = 2; ni < HALF; ni++) {\n"
-     "        pmax[ni & 1] = fmaxf(pmax[ni & 1], elt_[mi][ni]);\n"
-     "        pmax[2 + (ni & 1)] = fmaxf(pmax[2 + (ni & 1)], elt_[mi][HALF + ni]);\n"
-     "      }\n"
-     "      float const max_first = fmaxf(pmax[0], pmax[1]);\n"
-     "      float const max_second = fmaxf(pmax[2], pmax[3]);\n"
-     "      if constexpr (may_skip) {\n"
-     "        static_assert(EXP2F_OPTIMIZATION, \"diffusers_trtllm's half-step skips patch the exp2f path\");\n"
-     "        skip &= exp2f((max_first - global_max[mi]) * scale) < this->skip_softmax_threshold;\n"
-     "        skip_second &= exp2f((max_second - global_max[mi]) * scale) < this->skip_softmax_threshold;\n"
-     "      }\n"
-     "      local_max_[mi] = fmaxf(max_first, max_second);\n"
-     "      local_max_[mi] = fmaxf(__shfl_xor_sync(uint32_t(-1), local_max_[mi], 1), local_max_[mi]);\n"
-     "      local_max_[mi] = fmaxf(__shfl_xor_sync(uint32_t(-1), local_max_[mi], 2), local_max_[mi]);\n"),
-    ("fmha/warpspec/epilogue.h",
-     "    float(&elt_)[Mma_tile_p::CORES_M][Mma_tile_p::CORES_N * 2] = this->elt_;\n\n"
-     "    // whether this warpgroup skips the softmax\n"
-     "    constexpr bool may_skip = Kernel_traits::ENABLE_SKIP_SOFTMAX && !IS_FIRST_COL;\n"
-     "    bool skip = may_skip;\n",
-     "    float(&elt_)[Mma_tile_p::CORES_M][Mma_tile_p::CORES_N * 2] = this->elt_;\n\n"
-     "    // whether this warpgroup skips the softmax\n"
-     "    constexpr bool may_skip = Kernel_traits::ENABLE_SKIP_SOFTMAX && !IS_FIRST_COL;\n"
-     "    bool skip = may_skip;  // diffusers_trtllm: the first half of the step, then the whole step\n"
-     "    bool skip_second = may_skip;\n"
-     "    this->skipped_half_ = 0;\n"),
-    ("fmha/warpspec/epilogue.h",
-     "        skip = __all_sync(0xffffffff, skip);\n"
-     "        if (threadIdx.x % 32 == 0) {\n"
-     "          // The leader of each warp votes.\n"
-     "          atomicAnd(skip_softmax_vote, uint32_t(skip));\n"
-     "        }\n"
-     "        // WG0 uses 0x3 barrier, WG1 uses 0x4 barrier\n"
-     "        named_barrier_wait(Base::SKIP_SOFTMAX_BARRIER + threadIdx.x / 128, 128);\n"
-     "        skip = *((uint32_t volatile*)skip_softmax_vote);\n"
-     "        if (skip) {\n",
-     "        skip = __all_sync(0xffffffff, skip);\n"
-     "        skip_second = __all_sync(0xffffffff, skip_second);\n"
-     f"        if constexpr (!({_HALF_STEPS})) {{\n"
-     "          skip = skip_second = skip && skip_second;\n"
-     "        }\n"
-     "        if (threadIdx.x % 32 == 0) {\n"
-     "          // diffusers_trtllm: each warp's leader votes for both halves (bit 0: first, bit 1: second).\n"
-     "          atomicAnd(skip_softmax_vote, uint32_t(skip) | (uint32_t(skip_second) << 1));\n"
-     "        }\n"
-     "        // WG0 uses 0x3 barrier, WG1 uses 0x4 barrier\n"
-     "        named_barrier_wait(Base::SKIP_SOFTMAX_BARRIER + threadIdx.x / 128, 128);\n"
-     "        int const vote = __shfl_sync(0xffffffff, int(*((uint32_t volatile*)skip_softmax_vote)), 0);\n"
-     f"        this->skipped_half_ = ({_HALF_STEPS}) && vote != 3 ? vote : 0;\n"
-     "        if (vote == 3) {\n"),
-    ("fmha/warpspec/epilogue.h",
-     "#pragma unroll\n"
-     "      for (int ni = 0; ni < Mma_tile_p::CORES_N; ni++) {\n"
-     "        // Exp all rows for this ni\n",
-     "      // diffusers_trtllm: the exps of the cores [NI_BEGIN, NI_END) (FlashInfer's loop, parameterized).\n"
-     "#define DIFFUSERS_TRTLLM_EXP_CORES(NI_BEGIN, NI_END)                                \\\n"
-     "  _Pragma(\"unroll\") for (int ni = NI_BEGIN; ni < NI_END; ni++) {                     \\\n"
-     "    _Pragma(\"unroll\") for (int mi = 0; mi < Mma_tile_p::CORES_M; mi++) {             \\\n"
-     "      elt_[mi][2 * ni + 0] = custom_exp2f(elt_[mi][2 * ni + 0], scale, masked_max[mi]); \\\n"
-     "      elt_[mi][2 * ni + 1] = custom_exp2f(elt_[mi][2 * ni + 1], scale, masked_max[mi]); \\\n"
-     "    }                                                                                \\\n"
-     "    _Pragma(\"unroll\") for (int mi = 0; mi < Mma_tile_p::CORES_M; mi++) {             \\\n"
-     "      psum[mi][(2 * ni + 0) & 3] += elt_[mi][2 * ni + 0];                            \\\n"
-     "      psum[mi][(2 * ni + 1) & 3] += elt_[mi][2 * ni + 1];                            \\\n"
-     "    }                                                                                \\\n"
-     "  }\n"
-     "      if (this->skipped_half_ == 1) {\n"
-     "        DIFFUSERS_TRTLLM_EXP_CORES(Mma_tile_p::CORES_N / 2, Mma_tile_p::CORES_N)\n"
-     "      } else if (this->skipped_half_ == 2) {\n"
-     "        DIFFUSERS_TRTLLM_EXP_CORES(0, Mma_tile_p::CORES_N / 2)\n"
-     "      } else\n"
-     "#undef DIFFUSERS_TRTLLM_EXP_CORES\n"
-     "#pragma unroll\n"
-     "      for (int ni = 0; ni < Mma_tile_p::CORES_N; ni++) {\n"
-     "        // Exp all rows for this ni\n"),
-    ("fmha/warpspec/compute.h",
-     "        *skip_softmax_vote = 1;\n",
-     "        *skip_softmax_vote = 3u;  // diffusers_trtllm: bit 0 skips the step's first 128 keys, bit 1 the rest\n"),
-    ("fmha/warpspec/compute.h",
-     "// BMM2 (S * V).\n"
-     "#pragma unroll\n"
-     "    for (int kbi = 0; kbi < BMM2_MMAS_K_GROUPS - 1; kbi++) {\n",
-     f"    if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX && {_HALF_STEPS}) {{\n"
-     "      // diffusers_trtllm: a skipped half issues no GMMA; descriptors advance as the full BMM2 leaves them.\n"
-     "      static_assert(BMM2_MMAS_K_GROUPS == 2 && SAGE_BLOCK_SIZE_V < 0, \"one K group per half, no V blocks\");\n"
-     "      if (softmax.skipped_half_ != 1) {\n"
-     "#pragma unroll\n"
-     "        for (int ki = 0; ki < BMM2_MMAS_K_PER_GROUP; ++ki) {\n"
-     "          ctile_o.fill_frag_a(frag_p[ki]);\n"
-     "          ctile_o.compute(ki, false, ki == BMM2_MMAS_K_PER_GROUP - 1);\n"
-     "        }\n"
-     "      }\n"
-     "      ctile_o.increment_gmma_desc_group();\n"
-     "      if (softmax.skipped_half_ != 2) {\n"
-     "#pragma unroll\n"
-     "        for (int ki = 0; ki < BMM2_MMAS_K_PER_GROUP - 1; ++ki) {\n"
-     "          ctile_o.fill_frag_a(frag_p[BMM2_MMAS_K_PER_GROUP + ki]);\n"
-     "          ctile_o.compute(ki);\n"
-     "        }\n"
-     "        ctile_o.fill_frag_a(frag_p[Mma_tile_o::MMAS_K - 1]);\n"
-     "        ctile_o.compute(Mma_tile_o::MMAS_K - 1, true, true);\n"
-     "      }\n"
-     "      warpgroup_commit();\n"
-     "      warpgroup_wait<0>();\n"
-     "      return;\n"
-     "    }\n"
-     "// BMM2 (S * V).\n"
-     "#pragma unroll\n"
-     "    for (int kbi = 0; kbi < BMM2_MMAS_K_GROUPS - 1; kbi++) {\n"),
-)
+class HeaderPatch(NamedTuple):
+    """One hunk of a header patch: the header (relative to FlashInfer's fmha_v2 folder), the text it replaces
+    and the replacement."""
+
+    path: str
+    old: str
+    new: str
 
 
-# The two softmax warpgroups take turns on the tensor cores through an ordered mutex. FlashInfer's turn covers Q·Kᵀ
-# only, so a warpgroup's P·V runs outside it: the groups' GMMAs collide on the tensor cores and their softmaxes on
-# the SFU, and neither hides the other (ncu: tensor and XU pipes each about half busy). In the dense 256-key-step
-# kernels one turn covers P·V of step j and Q·Kᵀ of step j + 1 (FA3's ping-pong): while one group runs both GMMAs,
-# the other runs its softmax. The first step's Q·Kᵀ takes its own turn; the turn taken before the last P·V ends after
-# it. Outputs are bit-identical; at Wan's shape on an H200 the dense kernels ran 3 % (K one scale) and 12 % (K blocks
-# of 64) faster, while the skipping kernels ran 1-2 % slower and the 128-key-step ones (two K/V buffers) 35 % slower
-# (benchmarks/RESULTS.md), so those keep FlashInfer's turns.
-_TURN_SPANS_BMM2 = "MUTEX_TURN_SPANS_BMM2"
-MUTEX_TURN_PATCHES = (
-    ("fmha/warpspec/compute.h",
-     "  enum { ENABLE_MUTEX = Kernel_traits::ENABLE_MUTEX };\n",
-     "  enum { ENABLE_MUTEX = Kernel_traits::ENABLE_MUTEX };\n"
-     "  // diffusers_trtllm: one mutex turn for P·V of a step and Q·Kᵀ of the next (fmha_v2_sage.py)\n"
-     f"  enum {{ {_TURN_SPANS_BMM2} = ENABLE_MUTEX && Kernel_traits::STEP_KV == 256 &&\n"
-     "         !Kernel_traits::ENABLE_SKIP_SOFTMAX };\n"),
-    ("fmha/warpspec/compute.h",
-     "    if constexpr (ENABLE_MUTEX) {\n      mutex.wait();\n    }\n",
-     "    if constexpr (ENABLE_MUTEX) {\n"
-     f"      if (IS_FIRST_COL || !{_TURN_SPANS_BMM2}) {{  // diffusers_trtllm: else taken before the last P·V\n"
-     "        mutex.wait();\n"
-     "      }\n"
-     "    }\n"),
-    ("fmha/warpspec/compute.h",
-     "    warpgroup_arrive();\n\n    float last_scale_v;\n",
-     f"    if constexpr ({_TURN_SPANS_BMM2}) {{\n"
-     "      mutex.wait();  // diffusers_trtllm: one turn for this P·V and the next step's Q·Kᵀ\n"
-     "    }\n"
-     "    warpgroup_arrive();\n\n    float last_scale_v;\n"),
-    ("fmha/warpspec/compute.h",
-     "        if (valid_run) {\n          // Final step's update.\n",
-     f"        if constexpr ({_TURN_SPANS_BMM2}) {{\n"
-     "          mutex_accessor.arrive();  // diffusers_trtllm: ends the turn taken before the last P·V\n"
-     "        }\n"
-     "        if (valid_run) {\n          // Final step's update.\n"),
-)
-
-# V's per-channel scales multiply the output in the kernel's epilogue, after the 1 / row sum, before the bf16
-# store, instead of a separate pass over the bf16 output (1.74 ms at Wan's shape) that rounded it a second time.
-# On an H200 the kernel with this epilogue runs as fast as the kernel without it plus that pass
-# (benchmarks/RESULTS.md): one rounding fewer, no time gained. The scales' row is ``sage_scale_row``, which the
-# kernel already holds for Q's scales (ptxas spills fewer bytes than with the row formed from ``head_info``).
-# The binding passes the scales through ``params.sage.v`` (``[B, Hq, 128]``, ``max_nblock`` = 128 channels),
-# unused otherwise by kernels without V blocks.
-# O's accumulator columns hold V^T's rows, whose channels the quantizer permuted
-# (:class:`~.triton_sage.QuantizeTargets` ``v_fmha_v2_order``): in each 16-column group, the thread with
-# ``lane % 4 == c`` holds in core ``ni`` the channels ``4·c + ni % 2`` and ``+ 2`` (FMHAv2's e4m3 O store puts
-# them back in order).
-V_SCALE_EPILOGUE_PATCHES = (
-    ("fmha/warpspec/epilogue.h",
-     "  // Scale_bmm2.\n  uint32_t scale_bmm2_;\n",
-     "  // diffusers_trtllm: O's columns times V's per-channel scales (``v_scales``: this head's, by channel).\n"
-     "  inline __device__ void scale_channels(Compute_tile_o& ctile_o, float const* v_scales) {\n"
-     "#pragma unroll\n"
-     "    for (int mma_ni = 0; mma_ni < Mma_tile_o::MMAS_N; mma_ni++) {\n"
-     "#pragma unroll\n"
-     "      for (int ni = 0; ni < Mma_tile_o::CORES_N; ni++) {\n"
-     "        int const channel = mma_ni * Mma_tile_o::N_PER_MMA + 16 * (ni / 2) + 4 * (threadIdx.x % 4) + ni % 2;\n"
-     "        float const scale0 = __ldg(v_scales + channel);\n"
-     "        float const scale1 = __ldg(v_scales + channel + 2);\n"
-     "#pragma unroll\n"
-     "        for (int mi = 0; mi < Mma_tile_o::CORES_M; mi++) {\n"
-     "          ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi) *= scale0;\n"
-     "          ctile_o.acc_[0][mma_ni].elt(2 * ni * Mma_tile_o::CORES_M + 2 * mi + 1) *= scale1;\n"
-     "        }\n"
-     "      }\n"
-     "    }\n"
-     "  }\n"
-     "\n"
-     "  // Scale_bmm2.\n  uint32_t scale_bmm2_;\n"),
-    ("fmha/warpspec/compute.h",
-     "          tile_o_epilogue.scale(ctile_o, p_max, p_sum);\n",
-     "          tile_o_epilogue.scale(ctile_o, p_max, p_sum);\n"
-     "          tile_o_epilogue.scale_channels(  // diffusers_trtllm: V's per-channel scales\n"
-     "              ctile_o, params.sage.v.scales + static_cast<int64_t>(sage_scale_row) * params.sage.v.max_nblock);\n"),
-)
+def header_patch_files() -> tuple[pathlib.Path, ...]:
+    """The patch files of :data:`HEADER_PATCHES`, in the order they are applied."""
+    return tuple(PATCH_FOLDER / f"{name}.patch" for name in HEADER_PATCHES)
 
 
-def patched_headers() -> dict[str, str]:
-    """FMHAv2 headers with :data:`V_LAYOUT_PATCHES`, :data:`HALF_STEP_SKIP_PATCHES`,
-    :data:`V_SCALE_EPILOGUE_PATCHES` and :data:`MUTEX_TURN_PATCHES` applied, by path relative to the fmha_v2 folder;
-    the build puts them ahead of FlashInfer's. Raises if a patched text is not found exactly once (FlashInfer
-    changed)."""
+def read_patch(patch_file: pathlib.Path) -> tuple[HeaderPatch, ...]:
+    """The hunks of a unified diff whose paths are ``a/<header>`` / ``b/<header>``. Text before the first file
+    header is the patch's description; hunk line numbers are not used (:func:`patched_headers` finds each hunk's
+    text)."""
+    lines = patch_file.read_text(encoding="utf-8").splitlines(keepends=True)
+    hunks, header, i = [], None, 0
+    while i < len(lines):
+        line, i = lines[i], i + 1
+        if line.startswith("+++ b/"):
+            header = line[len("+++ b/"):].rstrip("\n")
+        elif line.startswith("@@") and header is not None:
+            counts = _HUNK_HEADER.match(line)
+            if counts is None:
+                raise ValueError(f"{patch_file.name}, line {i}: malformed hunk header {line!r}")
+            old_count, new_count = (int(n) if n is not None else 1 for n in counts.groups())
+            old, new = [], []
+            while len(old) < old_count or len(new) < new_count:
+                if i == len(lines) or lines[i][:1] not in (" ", "-", "+", "\n"):
+                    raise ValueError(f"{patch_file.name}, line {i + 1}: hunk ends before its {old_count} old and "
+                                     f"{new_count} new lines")
+                tag, text, i = lines[i][:1], lines[i][1:] or "\n", i + 1  # "\n": a context line's space stripped
+                old += [text] if tag != "+" else []
+                new += [text] if tag != "-" else []
+            hunks.append(HeaderPatch(header, "".join(old), "".join(new)))
+    return tuple(hunks)
+
+
+def patched_headers(patch_files: tuple[pathlib.Path, ...] | None = None) -> dict[str, str]:
+    """FMHAv2 headers with ``patch_files`` (default :func:`header_patch_files`) applied, by path relative to the
+    fmha_v2 folder; the build puts them ahead of FlashInfer's. Raises if a hunk's text is not found exactly once
+    (FlashInfer changed)."""
     from flashinfer.jit import env as jit_env
 
     headers = {}
-    for path, old, new in (*V_LAYOUT_PATCHES, *HALF_STEP_SKIP_PATCHES, *V_SCALE_EPILOGUE_PATCHES,
-                           *MUTEX_TURN_PATCHES):
-        text = headers.get(path) or (jit_env.FLASHINFER_CSRC_DIR / "fmha_v2" / path).read_text()
-        if text.count(old) != 1:
-            raise RuntimeError(f"FlashInfer's FMHAv2 {path} changed: a text this package patches was found "
-                               f"{text.count(old)} times, expected once:\n{old}")
-        headers[path] = text.replace(old, new)
+    for patch_file in header_patch_files() if patch_files is None else patch_files:
+        for path, old, new in read_patch(patch_file):
+            text = headers.get(path) or (jit_env.FLASHINFER_CSRC_DIR / "fmha_v2" / path).read_text()
+            if text.count(old) != 1:
+                raise RuntimeError(f"FlashInfer's FMHAv2 {path} changed: a text {patch_file.name} patches was "
+                                   f"found {text.count(old)} times, expected once:\n{old}")
+            headers[path] = text.replace(old, new)
     return headers
 
 
