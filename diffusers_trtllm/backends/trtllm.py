@@ -23,12 +23,10 @@ Declared constraints (:func:`unavailable_reason` returns the first that fails, a
 - an sm_90, sm_100 or sm_103 GPU (checked first); head_dim 128; q/k/v bf16 on one device; non-causal; every
   sequence non-empty; query heads a multiple of key/value heads;
 - Hopper FMHAv2: self-attention (equal lengths, grouped-query heads allowed) and cross-attention on a short
-  context (75,600 queries on 512 keys, rel. err. 6.8e-5; 4,096 on 257) were proven against cuDNN SDPA on an H200.
-  With fewer queries than keys FMHAv2 0.7.2 returns wrong results, grouped or not (rel. err. 0.17 for 19,320
-  queries on 19,920 keys at 32/8 and 32/32 heads, 0.36 for 4,096 on 4,696 at 8/8; ``benchmarks/attention.py``'s
-  shape proofs), so such sequences run with zero-padded queries (``kernels.flashinfer_fmha.fmha_v2_attention``).
-  Cross-attention runs 24% slower than cuDNN there (1.91 vs 1.55 ms, a small share of a step); a ``per_role``
-  ``{"cross": {"backend": "TORCH_SDPA"}}`` moves it to cuDNN;
+  context are proven against cuDNN SDPA (``benchmarks/attention.py``'s shape proofs). With fewer queries than keys
+  FMHAv2 0.7.2 returns wrong results, grouped or not, so such sequences run with zero-padded queries
+  (``kernels.flashinfer_fmha.fmha_v2_attention``). Cross-attention is slower than cuDNN there (a small share of a
+  step); a ``per_role`` ``{"cross": {"backend": "TORCH_SDPA"}}`` moves it to cuDNN;
 - FlashInfer >= 0.6.18 with the arguments these calls pass (read from its signatures).
 
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
@@ -74,10 +72,9 @@ SAGE_QK_DTYPES_BY_ARCH = {"sm_90": QK_DTYPES, "sm_100": ("int8", "fp8_e4m3"), "s
 TRITON_SAGE_BLOCKS = (1, 4, 16)  # Q and K blocks of the Triton kernel (and of trtllm-gen's K)
 TRTLLM_GEN_Q_BLOCKS = (1,)
 PORTABLE_BLOCKS = (1, 16)  # q, k blocks for unset sizes on kernels other than FMHAv2 SAGE
-# FMHAv2 SAGE for unset block sizes: the fastest measured at Wan 2.2's shape (benchmarks/RESULTS.md, issue 11): one
-# K scale per sequence and head (folded into Q's scales: no per-key scaling in the kernel), 256-key KV steps. K
-# blocks of 64 keys cost 12 % more time at the same error on smoothed K; 128-key steps are slower with and
-# without skipping.
+# FMHAv2 SAGE for unset block sizes: the fastest at Wan 2.2's shape (benchmarks/RESULTS.md): one K scale per
+# sequence and head (folded into Q's scales: no per-key scaling in the kernel), 256-key KV steps. K blocks of 64
+# keys cost more time at the same error on smoothed K; 128-key steps are slower with and without skipping.
 FMHA_V2_DEFAULT_K_BLOCK = 0
 FMHA_V2_KV_STEP = 256
 # sm_90's fp8 tensor cores add each instruction's 32 products to the accumulator at 14 bits below the largest
@@ -85,8 +82,8 @@ FMHA_V2_KV_STEP = 256
 # in that accumulator, so the reference of its semantics sums the same way.
 SM90_FP8_ACCUMULATOR_BITS = 14
 FMHA_V2_USER_K_BLOCKS = tuple(b for b in fmha_v2_sage.K_BLOCKS if b)  # 0 (per sequence) is internal only
-# The Triton SAGE kernel's Skip-Softmax tile on sm_90: its dense launch's tile (one warpgroup per program). With
-# 128 × 128 tiles (two warpgroups) it took 17-19 % longer at the same sparsity on an H200 (benchmarks/RESULTS.md).
+# The Triton SAGE kernel's Skip-Softmax tile on sm_90: its dense launch's tile (one warpgroup per program); with
+# 128 × 128 tiles (two warpgroups) the same sparsity takes longer (benchmarks/RESULTS.md).
 TRITON_SKIP_TILE_SM90 = (triton_sage.DENSE_LAUNCH.block_m, triton_sage.DENSE_LAUNCH.block_n)
 
 # Arguments each FlashInfer function must accept for the calls in kernels.flashinfer_calls (checked on the

@@ -34,8 +34,8 @@ def triton_sage_unavailable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    skip_tile: tuple[int, int] | None = None) -> str | None:
     """``None`` when :func:`triton_sage_attention` can run on these tensors here, else a sentence saying why.
 
-    Needs: Triton importable; a CUDA device of compute capability 8.9 or newer (fp8 tensor cores; only sm_90 was
-    measured), or ``TRITON_INTERPRET=1`` for CPU tensors; non-causal; head_dim 128; bf16/fp16 q, k, v; a skip
+    Needs: Triton importable; a CUDA device of compute capability 8.9 or newer (fp8 tensor cores; tuned and
+    tested on sm_90), or ``TRITON_INTERPRET=1`` for CPU tensors; non-causal; head_dim 128; bf16/fp16 q, k, v; a skip
     tile (when skipping) with sides that are powers of two from 16 to 128.
     """
     if triton is None:
@@ -115,8 +115,8 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
         HEAD_DIM=HEAD_DIM, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, FP8_QK_CHUNK=launch.fp8_qk_chunk,
         BARRIER_VOTE=_barrier_vote(launch, q.device), num_warps=launch.num_warps, num_stages=launch.num_stages)
     # Dense programs leave the skip schedule out of the compiled kernel's key: a dense launch and the heads of a
-    # skipping launch of the same tile that do not pay run one binary. (Compiled separately, the same loop ran up
-    # to 2 % faster or slower, by how Triton laid out the kernel: benchmarks/RESULTS.md.)
+    # skipping launch of the same tile that do not pay run one binary, so they run at the same speed (compiled
+    # apart, the same loop's speed varies with how Triton lays out each binary).
     dense = dict(SKIP=False, COUNT_SKIPS=False, SKIP_CHUNK=0, BRANCH_FREE_PERCENT=0, SAMPLE_PASS=False)
     skipping = dict(SKIP=True, COUNT_SKIPS=count_skips, SKIP_CHUNK=launch.skip_chunk,
                     BRANCH_FREE_PERCENT=round(launch.branch_free_below * 100), SAMPLE_PASS=False)
@@ -147,7 +147,7 @@ def triton_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     device, ``seqlens_*`` the same lengths as host ints), ``Hq % Hkv == 0`` (GQA). ``dtype_qk``: ``"int8"`` or
     ``"fp8_e4m3"``; ``q_block`` / ``k_block``: 1, 4 or 16 tokens. Returns ``(out [Tq, Hq, 128] in q's dtype,
     skipped, total)`` as :func:`sage_attention_quantized`, which also takes ``skip_sample``. GPUs: sm_89 and
-    newer with Triton (measured on sm_90 only). Raises ``ValueError`` with the reason when
+    newer with Triton (tuned on sm_90). Raises ``ValueError`` with the reason when
     :func:`triton_sage_unavailable_reason` is not ``None``.
     """
     reason = triton_sage_unavailable_reason(q, k, v, skip_tile=skip_tile if skip_factor > 0.0 else None)
@@ -207,8 +207,8 @@ def _attend_kv_tile(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, str
         skipped += 1
     else:
         # V^T is loaded in here so that a skipped tile does not wait for it: with the dot in a branch, Triton does
-        # not software-pipeline the load either way, and loading it before the skip test was 25-40 % slower at
-        # every sparsity on the H200 (benchmarks/RESULTS.md, issue 11; commit d9f3559).
+        # not software-pipeline the load either way, and loading it before the skip test was slower at every
+        # sparsity (benchmarks/RESULTS.md).
         m_i, l_i, acc, _ = _fold_scores(t, q_scale, tile_max, m_i, l_i, acc, v_base, cols, v_len, negligible,
                                         MASKED, False, BARRIER_VOTE)
     return m_i, l_i, acc, skipped
@@ -272,8 +272,8 @@ def _fold_scores(t, q_scale, tile_max, m_i, l_i, acc, v_base, cols, v_len, negli
 @jit
 def _all_rows_by_barrier(negligible):
     """:func:`_all_rows` as a ``[BLOCK_M]`` vector (every element the decision), in one ``bar.red.and`` across
-    the program's threads instead of a reduction through shared memory (on an H200 that cut the branch-free
-    schedule's cost over dense by about half). Needs every thread to hold exactly two rows, so that one call
+    the program's threads instead of a reduction through shared memory, the larger part of the branch-free
+    schedule's cost over dense. Needs every thread to hold exactly two rows, so that one call
     sees all of its rows: a 64-row tile of one warpgroup on sm_90 (:func:`_barrier_vote`)."""
     return tl.inline_asm_elementwise(
         "{ .reg .pred a, b; setp.ne.b32 a, $2, 0; setp.ne.b32 b, $3, 0; and.pred a, a, b; "

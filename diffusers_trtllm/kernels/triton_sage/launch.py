@@ -50,25 +50,23 @@ class AttentionLaunch:
 
 
 # AttentionLaunch.branch_free_below of skipping (:func:`skip_launch`): a run that skipped little is followed by a
-# branch-free one. Of the thresholds measured on an H200 this one had the best worst case over sparsities, for fp8
-# and int8 (benchmarks/RESULTS.md, benchmarks/triton_skip_schedules.py)
+# branch-free one. Of the thresholds timed, this one had the best worst case over sparsities, for fp8 and int8
+# (benchmarks/triton_skip_schedules.py, benchmarks/RESULTS.md).
 BRANCH_FREE_BELOW = 0.1
 # AttentionLaunch.skip_pays_from of skipping, fp8 and int8 alike: a head whose sample skipped less of its tiles
-# did not earn back the vote and the launch split in two on an H200 (timed in alternating pairs,
-# benchmarks/RESULTS.md).
+# does not earn back the vote and the launch split in two (timed in alternating pairs, benchmarks/RESULTS.md).
 SKIP_PAYS_FROM = 0.30
 # The sample launch holds about this many waves of programs (each program a whole query tile against all keys):
 # a launch of whole waves costs its share of the work, a last partial wave leaves SMs idle for up to a program's
-# time (benchmarks/RESULTS.md, timed in pairs with nothing to skip at Wan's shape: one query tile in 32, 5.6 waves,
-# cost 0.6-0.8 %; one in 91, 1.97 waves, 0.1-0.2 %).
+# time, and a small sample keeps the launch split's cost small when nothing is skipped.
 SKIP_SAMPLE_WAVES = 2
 # Programs of the 64 × 128 tile an SM holds at once (their shared memory), and the SMs of an H200: without a GPU,
 # the reference of the kernel's rule samples as on an H200.
 PROGRAMS_PER_SM = 2
 H200_SMS = 132
 
-# The fastest dense shape measured on the H200 (benchmarks/sage.py): 64 × 128 with one warpgroup runs ~13% faster
-# than 128 × 128 with two (587 vs 521 TFLOP/s at 16k tokens × 40 heads), which needs all 255 registers per thread.
+# The fastest dense shape (benchmarks/sage.py): 64 × 128 with one warpgroup per program; 128 × 128 with two needs
+# all 255 registers per thread and runs slower.
 DENSE_LAUNCH = AttentionLaunch(64, 128, num_warps=4, num_stages=3)
 
 
