@@ -39,6 +39,9 @@ QK_DTYPES = ("int8", "fp8_e4m3")
 SAGE_BLOCK_SIZES = (1, 4, 16)  # Q/K blocks of the Triton kernel and trtllm-gen (K)
 SAGE_Q_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64,)  # 64: Hopper FMHAv2 SAGE
 SAGE_K_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64, 128)
+# The pipeline components that hold transformers (Wan 2.2 A14B has both): the attributes an install looks at, the
+# checkpoint folders a calibration is read from, the component keys of ``per_role``.
+TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
 # One attention call site: (component, layer, role, category), e.g.
 # ("transformer_2", "blocks.3.attn1", "self_attn", "self").
 Site = tuple[str, str, str, str]

@@ -12,7 +12,7 @@ import torch
 
 from .calibration import calibrations_from_transformers
 from .calibration.curve import SkipCalibration
-from .config import AttentionConfig
+from .config import TRANSFORMER_COMPONENTS, AttentionConfig
 from .errors import AttentionConfigError
 from .plan import CallPlanner, CallSite
 from .processors import PROCESSORS, TrtllmAttnProcessor, processor_class_for
@@ -21,7 +21,6 @@ from .steps import DenoisingClock
 
 logger = logging.getLogger("diffusers_trtllm")
 
-TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
 _HANDLE_ATTRIBUTE = "_diffusers_trtllm_handle"
 
 

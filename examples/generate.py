@@ -32,7 +32,8 @@ import torch
 
 from diffusers_trtllm import add_attention_args, config_from_args, enable_trtllm_attention
 from diffusers_trtllm.calibration import calibrations_from_pretrained
-from diffusers_trtllm.calibration.checkpoint import PIPELINE_COMPONENTS, SIDECAR_NAME
+from diffusers_trtllm.calibration.checkpoint import SIDECAR_NAME
+from diffusers_trtllm.config import TRANSFORMER_COMPONENTS
 from evaluation import (MODELS, TransformerTimer, VideoShape, describe_attention_plan, describe_config,
                         export_frames, format_number, generate_frames, load_model, resolve_model, synchronize)
 from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_shape,
@@ -60,7 +61,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
 
 def calibrated_shape(folder: Path) -> VideoShape | None:
     """The deployment shape a folder written by calibrate.py was calibrated at (from its sidecars), or None."""
-    for component in PIPELINE_COMPONENTS:
+    for component in TRANSFORMER_COMPONENTS:
         sidecar = folder / component / SIDECAR_NAME
         if sidecar.is_file():
             shape = json.loads(sidecar.read_text()).get("deployment")

@@ -30,7 +30,7 @@ import logging
 from pathlib import Path
 from typing import Mapping
 
-from ..config import finite_number
+from ..config import TRANSFORMER_COMPONENTS, finite_number
 from ..errors import AttentionConfigError, invalid
 from ..version import __version__
 from .curve import SkipCalibration
@@ -44,7 +44,6 @@ FORMULA = "a * exp(b * target_sparsity)"
 SKIP_ALGORITHMS = ("skip_softmax", "softmax_skip")  # ModelOpt 0.45+ / 0.44 spelling
 # ModelOpt algorithms this package does not run; a checkpoint may carry them beside skip_softmax.
 OTHER_MODELOPT_ALGORITHMS = ("sparse_softmax", "triton_sparse_softmax")
-PIPELINE_COMPONENTS = ("transformer", "transformer_2")
 
 
 class _CalibrationKeyIsRead(logging.Filter):
@@ -190,7 +189,7 @@ def load_calibration(component_dir: str | Path) -> SkipCalibration | None:
 
 
 def calibrations_from_pretrained(pipeline_dir: str | Path,
-                                 components: tuple[str, ...] = PIPELINE_COMPONENTS) -> dict[str, SkipCalibration]:
+                                 components: tuple[str, ...] = TRANSFORMER_COMPONENTS) -> dict[str, SkipCalibration]:
     """Curves of a pipeline folder's transformer components (``transformer/``, ``transformer_2/``)."""
     found = {}
     for component in components:
