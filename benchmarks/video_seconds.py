@@ -16,8 +16,9 @@ encoders do the real amount of work. The token ids differ from a real tokenizer'
 notice; the prompt's valid tokens (the part HunyuanVideo's joint attention sees unpadded) are characters.
 
 Configurations: diffusers' default processors (``diffusers``), diffusers' attention backends set with
-``set_attention_backend`` (``diffusers:NAME``; ``backends`` tries every backend diffusers offers, and those that
-refuse the model's attention on this machine become rows saying why), and this package installed with
+``set_attention_backend`` (``diffusers:NAME``; ``backends`` tries every backend diffusers offers, this package's
+``"trtllm"`` excepted, and those that refuse the model's attention on this machine become rows saying why: each
+is first run once at a small size with the model's mask), and this package installed with
 ``enable_trtllm_attention`` (``dense``, ``sage``: SAGE fp8, ``sage_skip``: SAGE fp8 + Skip-Softmax at λ =
 ``--threshold``, no timestep gate). Every transformer is compiled with
 ``compile_repeated_blocks(fullgraph=True)`` after the attention is set up, and dynamo is reset between rows.
@@ -28,7 +29,8 @@ with ``--steps`` denoising steps. Phases: text encoding (call start to the end o
 denoising (to the start of ``vae.decode``), VAE decode (to the end of the call, frames included). Denoising is
 scaled to ``--scale-to`` steps (40 for Wan, 50 for HunyuanVideo 1.5: the pipelines' step counts); every step costs
 the same (no timestep gate here). The VAE and text encoders do not depend on the attention configuration: the
-first row that completes decodes to frames, later rows stop at latents and carry its decode time (marked *).
+first row whose timed call succeeds decodes to frames, later rows stop at latents and carry its decode time (marked
+*).
 
 Random weights give near-uniform attention: Skip-Softmax skips few tiles here, so the skip row shows its cost at
 this data, not a trained model's speed-up.
@@ -47,19 +49,21 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import diffusers
 import torch
+import transformers
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # transformer_step, when imported as a module by tests
 from transformer_step import build_transformer, first_block_only, free, trtllm_warmup  # noqa: E402
 
 from diffusers_trtllm import enable_trtllm_attention  # noqa: E402
-from diffusers_trtllm.dispatch import BACKEND_NAME as TRTLLM_DISPATCH_BACKEND  # noqa: E402
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AttentionConfig, AttnQuantSpec  # noqa: E402
+from diffusers_trtllm.dispatch import BACKEND_NAME as TRTLLM_DISPATCH_BACKEND  # noqa: E402
 from diffusers_trtllm.install import pipeline_transformers  # noqa: E402
 from evaluation import (TINY_SHAPE, ModelEntry, TransformerTimer, VideoShape, attention_config,  # noqa: E402
                         find_model, format_number, markdown_table, synchronize)
@@ -440,13 +444,13 @@ def measure_row(pipe, model: VideoModel, bench: VideoConfig, shape: VideoShape, 
                 deadline: float, shared_decode: Row | None) -> Row:
     """The row of ``bench``: timed, or the reason it was not (time budget spent, a backend refusing the model's
     attention, an error); a row after the first that decoded carries that row's decode time."""
-    if time.perf_counter() > deadline:
-        return Row(bench.label, bench.diffusers, error="not run: time budget spent")
-    if bench.backend is not None:
+    if bench.backend is not None:  # probed even past the deadline: a refusal takes no time and says why
         try:
             probe_backend(pipe, bench, dtype, device, model.masked_attention)
         except Exception as e:  # noqa: BLE001  (a refusal is a row saying why)
             return Row(bench.label, bench.diffusers, error=f"refused: {one_line(e)}")
+    if time.perf_counter() > deadline:
+        return Row(bench.label, bench.diffusers, error="not run: time budget spent")
     try:
         row = time_config(pipe, model, bench, shape, args, device, decode=shared_decode is None)
     except Exception as e:  # noqa: BLE001  (record and go on: one failure must not lose the run)
@@ -492,6 +496,9 @@ def report(result: dict) -> str:
              "call with each transformer's first block only (compiles, builds kernels), not counted. "
              "* decode time of the first row that decoded (the VAE does not depend on the attention "
              "configuration)."]
+    if not result["tiny"]:
+        lines.append("Random weights at full size; text encoders at their real size behind character-level "
+                     "tokenizers padded to the pipelines' lengths (the real vocabularies need downloads).")
     if result.get("kernel_build"):
         lines.append(f"TRTLLM_ATTN kernel builds before the first row: {result['kernel_build']}")
     return "\n".join(lines) + "\n"
@@ -561,9 +568,6 @@ def main(argv=None) -> dict:
     shape = VideoShape(args.height, args.width, args.frames)
     output = args.json or Path(os.environ.get("OUT", ".")) / f"video_seconds_{args.model}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
-    import diffusers
-    import transformers
-
     result = {"model": model.entry.name, "shape": vars(shape), "steps": args.steps, "video_steps": args.scale_to,
               "threshold": args.threshold, "compile": args.compile_backend or "none", "tiny": args.tiny,
               "torch": torch.__version__, "diffusers": diffusers.__version__,
@@ -577,16 +581,17 @@ def main(argv=None) -> dict:
     result["params"] = {name: sum(p.numel() for p in component.parameters())
                         for name, component in pipe.components.items() if isinstance(component, torch.nn.Module)}
 
-    def write(rows):
+    def write(rows):  # after every row: a run stopped by the device's time limit keeps what it measured
         result["rows"] = [dataclasses.asdict(r) for r in rows]
         result["total_s"] = time.perf_counter() - start
         output.write_text(json.dumps(result, indent=1, default=str))
+        output.with_suffix(".md").write_text(report(result))
 
+    write([])
     run_model(model, pipe, configs, shape, args, device, dtype, start + args.time_budget, write)
     text = report(result)
     print(text)
-    output.with_suffix(".md").write_text(text)
-    print(f"wrote {output} ({result['total_s']:.0f} s)")
+    print(f"wrote {output} and {output.with_suffix('.md').name} ({result['total_s']:.0f} s)")
     return {**result, "markdown": text, "output": output}
 
 
