@@ -11,7 +11,7 @@ shift || true
 deselect="not slow and not emulated_fp8_accumulation_only_changes and not skipped_tiles_grow_with_lambda"
 case "$module" in
   config) sources="diffusers_trtllm/config.py"
-          tests="tests/test_config.py tests/test_config_precedence.py" ;;
+          tests="tests/test_config.py tests/test_config_precedence.py tests/test_config_edges.py" ;;
   quant) sources="diffusers_trtllm/quant.py"
          tests="tests/test_reference.py tests/test_semantics_edges.py" ;;
   reference) sources="diffusers_trtllm/backends/reference.py"

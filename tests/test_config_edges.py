@@ -1,0 +1,89 @@
+"""Config validation at its edges: range ends are accepted, one step past them refused, numbers come back as
+floats, and every refusal names the field, the value and what is valid."""
+
+import math
+import re
+
+import pytest
+
+from diffusers_trtllm import AttentionConfig, AttentionConfigError, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
+
+
+@pytest.mark.parametrize("field,value", [("target_sparsity", 0), ("target_sparsity", 1), ("threshold", 0),
+                                         ("disabled_until_timestep", 0), ("disabled_until_timestep", 1)])
+def test_range_ends_are_accepted_and_stored_as_floats(field, value):
+    spec = SkipSoftmaxSpec(**{field: value})
+    stored = getattr(spec, field)
+    assert stored == value and type(stored) is float
+
+
+@pytest.mark.parametrize("field,value,valid", [
+    ("target_sparsity", 1.0000001, "a finite number in [0, 1]"),
+    ("target_sparsity", -1e-9, "a finite number in [0, 1]"),
+    ("threshold", -1e-9, "a finite number >= 0"),
+    ("threshold", math.inf, "a finite number >= 0"),
+    ("threshold", True, "a finite number >= 0"),
+    ("disabled_until_timestep", 1.5, "a finite number in [0, 1]"),
+    ("disabled_until_timestep", math.nan, "a finite number in [0, 1]"),
+])
+def test_values_past_the_range_are_refused_naming_field_value_and_range(field, value, valid):
+    with pytest.raises(AttentionConfigError) as err:
+        SkipSoftmaxSpec(**{field: value})
+    assert str(err.value) == f"skip_softmax.{field}={float(value)!r} is invalid: expected {valid}" or \
+        str(err.value) == f"skip_softmax.{field}={value!r} is invalid: expected {valid}"
+
+
+def test_dicts_and_specs_are_taken_alike_and_unknown_keys_name_the_valid_ones():
+    assert SkipSoftmaxSpec.from_dict({"threshold": 0.1}) == SkipSoftmaxSpec(threshold=0.1)
+    assert AttnQuantSpec.from_dict({"dtype_qk": "int8", "k_block_size": 4}) == AttnQuantSpec("int8", None, 4)
+    with pytest.raises(AttentionConfigError, match=re.escape(
+            "skip_softmax: unknown key(s) ['treshold']; valid keys are "
+            "['disabled_until_timestep', 'target_sparsity', 'threshold']")):
+        SkipSoftmaxSpec.from_dict({"treshold": 0.1})
+    with pytest.raises(AttentionConfigError, match=re.escape(
+            "quant: unknown key(s) ['dtype']; valid keys are ['dtype_qk', 'k_block_size', 'q_block_size']")):
+        AttnQuantSpec.from_dict({"dtype": "int8"})
+
+
+@pytest.mark.parametrize("name,value", [("q_block_size", 2), ("k_block_size", 32), ("q_block_size", 16.0),
+                                        ("k_block_size", True)])
+def test_block_sizes_outside_every_kernels_name_them(name, value):
+    with pytest.raises(AttentionConfigError) as err:
+        AttnQuantSpec("int8", **{name: value})
+    message = str(err.value)
+    assert message.startswith(f"quant.{name}={value!r} is invalid: expected an int: one of [1, 4, 16] "
+                              "(Triton, trtllm-gen) or ")
+    assert ("64 (Hopper FMHAv2, fp8)" if name == "q_block_size" else "64, 128 (Hopper FMHAv2, fp8)") in message
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"default": 3}, "default=3 is invalid: expected an AttentionSpec or a dict"),
+    ({"per_role": [("self", {})]}, "per_role=[('self', {})] is invalid: expected a mapping of role -> spec"),
+    ({"per_role": {"": {}}}, "per_role key='' is invalid: expected a non-empty string"),
+    ({"per_role": {"self": {"backend": "nope"}}}, "per_role['self']: backend='nope' is invalid"),
+    ({"per_role": {"self": {"skip_softmax": 3}}}, "per_role['self']: skip_softmax=3 is invalid: expected a "
+                                                   "SkipSoftmaxSpec, a dict or null"),
+    ({"default": {"quant": "int8"}}, "quant='int8' is invalid: expected an AttnQuantSpec, a dict or null"),
+    ({"default": {"backend": "TORCH_SDPA", "quant": {"dtype_qk": "int8"}}},
+     "quant is set but backend='TORCH_SDPA' runs dense attention only; quant needs one of "
+     "['auto', 'TRTLLM_ATTN', 'TORCH_REFERENCE']"),
+])
+def test_malformed_configs_name_the_field_and_value(config, message):
+    with pytest.raises(AttentionConfigError) as err:
+        AttentionConfig(**config) if "default" not in config or isinstance(config["default"], int) or \
+            "per_role" in config else AttentionConfig.from_dict(config)
+    assert str(err.value).startswith(message)
+
+
+def test_top_level_shapes_are_refused_naming_what_is_expected():
+    with pytest.raises(AttentionConfigError, match=re.escape(
+            "attention config=[] is invalid: expected a JSON object like {\"default\": {\"backend\": \"TRTLLM_ATTN\"}}")):
+        AttentionConfig.from_dict([])
+    with pytest.raises(AttentionConfigError, match=re.escape(
+            "attention config: unknown key(s) ['roles']; valid keys are ['default', 'per_role']")):
+        AttentionConfig.from_dict({"roles": {}})
+    with pytest.raises(AttentionConfigError, match=re.escape("spec=1 is invalid: expected a mapping with keys")):
+        AttentionSpec.from_dict(1)
+    config = AttentionConfig.from_dict({"per_role": {"self": AttentionSpec("TORCH_SDPA"), "cross": {}}})
+    assert config.per_role["self"] == AttentionSpec("TORCH_SDPA") and config.per_role["cross"] == AttentionSpec()
+    assert AttentionConfig.from_json(config.to_json()) == config
