@@ -7,8 +7,10 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -159,19 +161,31 @@ def test_generate_with_environment_config(tmp_path, monkeypatch, capsys):
     assert result["transformer_seconds"] > 0
 
 
-def test_calibrate_then_generate_with_defaults(tmp_path, capsys):
-    """calibrate.py's folder loads in generate.py at the calibrated shape, says which curves it read, and a
-    target sparsity on them lands near the target; diffusers does not warn that the curve "will be ignored"."""
+def docstring_target(script: str) -> float:
+    """The --trtllm-gen-target-sparsity value the script's docstring (its --help) shows for the calibrate story."""
+    text = load_script(f"examples/{script}").__doc__
+    return float(re.search(r"--model calibrated_tiny .*?--trtllm-gen-target-sparsity ([0-9.]+)", text, re.S).group(1))
+
+
+@pytest.mark.slow
+def test_calibrate_then_generate_tells_one_story(tmp_path, monkeypatch, capsys):
+    """calibrate.py with its defaults ends with the generate.py command to run: one target, inside the sparsity
+    every expert reached, the one both scripts' --help show and the checkpoint suggests; that command loads the
+    folder at the calibrated shape without an extrapolation warning, says which curves it read, and the
+    low-noise expert lands near the target. diffusers does not warn that the curve "will be ignored"."""
     from diffusers_trtllm.calibration.checkpoint import CONFIG_KEY
 
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("A red fox runs through fresh snow at dawn, cinematic\n")
-    folder = tmp_path / "calibrated"
-    calibration = load_script("examples/calibrate.py").main(
-        ["--prompts", str(prompts), "--height", "192", "--width", "320", "--steps", "2", "--lambda-points", "12",
-         "--output-dir", str(folder)])
-    assert (folder / "calibration.png").read_bytes()[:8] == PNG_MAGIC
-    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    calibration = load_script("examples/calibrate.py").main([])
+    assert Path("calibrated_tiny/calibration.png").read_bytes()[:8] == PNG_MAGIC
+    command = capsys.readouterr().out.strip().splitlines()[-1]
+    prefix = "python examples/generate.py --model calibrated_tiny --diffusion-attention-backend TORCH_REFERENCE "
+    assert command.startswith(prefix + "--trtllm-gen-target-sparsity "), command
+    target = float(command.split()[-1])
+    assert target == docstring_target("calibrate.py") == docstring_target("generate.py")
+    for fit in calibration.fits.values():
+        low, high = fit.observed_range
+        assert low <= target <= high and fit.calibration.target_sparsity == target
 
     warnings_seen = []
     config_logger = logging.getLogger("diffusers.configuration_utils")
@@ -179,29 +193,49 @@ def test_calibrate_then_generate_with_defaults(tmp_path, capsys):
     handler.emit = lambda record: warnings_seen.append(record.getMessage())
     config_logger.addHandler(handler)
     try:
-        generate = load_script("examples/generate.py")
-        dense = generate.main(["--model", str(folder), "--output", str(tmp_path / "dense.mp4")])
-        low, high = calibration.fits["transformer_2"].calibration.sparsity_range
-        target = round((low + high) / 2, 2)
-        sparse = generate.main(["--model", str(folder), "--output", str(tmp_path / "sparse.mp4"),
-                                "--diffusion-attention-backend", "TORCH_REFERENCE", "--trtllm-gen-target-sparsity",
-                                str(target)])
+        with warnings.catch_warnings():
+            # outside the observed range the curve would warn that it extrapolates
+            warnings.filterwarnings("error", message=r"skip_softmax\.target_sparsity=.* lies outside")
+            sparse = load_script("examples/generate.py").main(command.split()[2:] + ["--steps", "2"])
     finally:
         config_logger.removeHandler(handler)
     assert not [message for message in warnings_seen if CONFIG_KEY in message]
     printed = capsys.readouterr().out
-    assert dense["shape"] == sparse["shape"] == VideoShape(192, 320, 9, 2)  # the calibrated shape, read back
-    assert f"Skip-Softmax calibration loaded from {folder} (calibrated at 192×320, 9 frames, 2 steps):" in printed
+    assert sparse["shape"] == VideoShape(256, 448, 9, 2)  # the calibrated shape, read back (steps overridden)
+    assert "Skip-Softmax calibration loaded from calibrated_tiny (calibrated at 256×448, 9 frames, 4 steps):" in printed
     for component, fit in calibration.fits.items():
         curve = fit.calibration
-        assert f"  {component}: factor = a·exp(b·s), a = {curve.a:.4g}, b = {curve.b:.4g}" in printed
-    assert dense["summary"]["sparsity"] in (0.0, None) and (tmp_path / "dense.mp4").stat().st_size > 0
+        assert (f"  {component}: factor = a·exp(b·s), a = {curve.a:.4g}, b = {curve.b:.4g}, observed sparsity "
+                f"{curve.sparsity_range[0]:.2f}–{curve.sparsity_range[1]:.2f}, suggests target_sparsity {target:g}"
+                in printed)
     # the last step runs on transformer_2, sparse: the curve puts it near the target
     last = max(sparse["summary"]["per_step"])
     skipping = [value for layer, value in sparse["summary"]["per_layer"].items()
                 if layer.startswith("transformer_2.") and layer.endswith("attn1")]
     assert skipping and all(abs(value - target) < 0.15 for value in skipping), (target, skipping)
     assert f"| {last} | TORCH_REFERENCE:skip | transformer_2.blocks.[0-1].attn1 |" in printed
+
+
+def fake_result(*ranges):
+    from diffusers_trtllm import CalibrationResult
+    from diffusers_trtllm.calibration.curve import SkipCalibration
+    from diffusers_trtllm.calibration.fit import ComponentFit
+
+    return CalibrationResult({f"c{i}": ComponentFit(SkipCalibration(1.0, 5.0, sparsity_range=r), [], 1.0, ())
+                              for i, r in enumerate(ranges)})
+
+
+@pytest.mark.parametrize("ranges,target", [
+    ([(0.103, 0.450), (0.103, 0.446)], 0.3),  # the middle, 0.2745, at one decimal
+    ([(0.31, 0.34)], 0.33),  # the middle, 0.325, is 0.3 at one decimal (outside), 0.33 at two
+    ([(0.1, 0.5), (0.45, 0.9)], 0.5),
+    ([(0.1, 0.2), (0.3, 0.4)], None),  # no common range: no single target
+])
+def test_calibrate_suggests_a_target_inside_every_observed_range(ranges, target):
+    suggested = load_script("examples/calibrate.py").suggested_target(fake_result(*ranges))
+    assert suggested == (pytest.approx(target) if target is not None else None)
+    if suggested is not None:
+        assert all(low <= suggested <= high for low, high in ranges)
 
 
 # ------------------------------------------------------------------------------------------------ benchmark
