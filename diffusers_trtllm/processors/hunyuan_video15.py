@@ -10,8 +10,8 @@ The text mask ``[B, L_text]`` marks each sample's valid text tokens. diffusers' 
 its valid prefix (all video tokens + its valid text tokens), which the attention op packs into one ragged call.
 Padded positions get 0, as PyTorch's SDPA gives fully masked rows; they never reach a valid token. The valid
 lengths are read on the host once per transformer call, by a pre-hook on the first block that binds its
-``attention_mask`` argument by name; the processors reuse them only for that same mask tensor (any other mask, or
-the unbound ``set_attn_processor`` form, is read where it arrives). The projections are diffusers' modules and
+``attention_mask`` argument by name (diffusers passes every block the same mask); the processors of the other
+blocks reuse them (the unbound ``set_attn_processor`` form reads the mask where it arrives). The projections are diffusers' modules and
 ``apply_rotary_emb``, in diffusers' order; only the mask handling differs, which is why this processor has its
 own ``__call__``.
 
@@ -34,20 +34,14 @@ from .base import TrtllmAttnProcessor
 
 
 class TextLengths:
-    """Valid text tokens per sample of the transformer call in progress (an int CPU tensor) and the mask they were
-    read from, shared by the joint-attention processors of one transformer."""
+    """Valid text tokens per sample of the transformer call in progress (an int CPU tensor), shared by the
+    joint-attention processors of one transformer."""
 
     def __init__(self):
-        self.mask: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
 
     def read(self, text_mask: torch.Tensor | None) -> None:
-        self.mask = text_mask
         self.counts = None if text_mask is None else text_mask.sum(dim=1).cpu()
-
-    def of(self, text_mask: torch.Tensor) -> torch.Tensor:
-        """The valid counts of ``text_mask``: those read by the pre-hook when it is that mask, else read now."""
-        return self.counts if text_mask is self.mask else text_mask.sum(dim=1).cpu()
 
 
 def _heads(projection: torch.nn.Module, states: torch.Tensor, heads: int) -> torch.Tensor:
@@ -126,5 +120,5 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
     def _valid_lengths(self, text_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
         if text_mask is None:
             return None
-        counts = self.text_lengths.of(text_mask) if self.text_lengths is not None else text_mask.sum(dim=1).cpu()
+        counts = self.text_lengths.counts if self.text_lengths is not None else text_mask.sum(dim=1).cpu()
         return counts + (seq_len - text_mask.shape[1])
