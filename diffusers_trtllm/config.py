@@ -9,6 +9,10 @@ configures both::
 
 Specs are immutable and validated on construction; every error names the field, the value and what is valid.
 Nothing here looks at the GPU: whether a backend can run is decided when a plan is made (``plan.py``).
+
+This package's extensions beyond vLLM-Omni's schema (its own parser refuses them as unknown keys): a spec's
+``accuracy`` (:class:`AccuracySpec`: the accuracy probe and its guard) and the SAGE step schedule
+``quant.disabled_until_timestep`` / ``quant.disabled_below_timestep`` (:class:`AttnQuantSpec`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ QK_DTYPES = ("int8", "fp8_e4m3")
 SAGE_BLOCK_SIZES = (1, 4, 16)  # Q/K blocks of the Triton kernel and trtllm-gen (K)
 SAGE_Q_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64,)  # 64: Hopper FMHAv2 SAGE
 SAGE_K_BLOCK_SIZES = SAGE_BLOCK_SIZES + (64, 128)
+PROBE_ROWS_MAX = 1024  # the accuracy probe's query rows per call: its exact attention costs rows × keys × heads
 # The pipeline components that hold transformers (Wan 2.2 A14B has both): the attributes an install looks at, the
 # checkpoint folders a calibration is read from, the component keys of ``per_role``.
 TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
@@ -68,6 +73,14 @@ def _range_text(low, high, above) -> str:
         return f"a finite number in [{low:g}, {high:g}]"
     bounds = [f"{sign} {bound:g}" for sign, bound in ((">=", low), ("<=", high), (">", above)) if bound is not None]
     return "a finite number " + " and ".join(bounds) if bounds else "a finite number"
+
+
+def positive_int(field_name: str, value, high: int | None = None) -> int:
+    """``value`` when it is an int (not a bool) with ``1 <= value <= high``; else :class:`AttentionConfigError`
+    naming ``field_name``, the value and what is valid."""
+    if type(value) is int and value >= 1 and (high is None or value <= high):
+        return value
+    raise invalid(field_name, value, f"an int in [1, {high}]" if high is not None else "an int >= 1")
 
 
 def _reject_unknown_keys(where: str, data: Mapping, allowed) -> None:
@@ -127,6 +140,12 @@ class AttnQuantSpec:
     """SAGE quantization: Q/K per block of ``q_block_size`` / ``k_block_size`` tokens to ``dtype_qk``, K smoothed,
     V per channel to fp8_e4m3. ``dtype_qk=None`` means no quantization (dense).
 
+    SAGE step schedule (this package's extension; vLLM-Omni's schema has no such keys): SAGE is held off (the call
+    runs dense at full precision) while the normalized timestep t = timestep / num_train_timesteps is above
+    ``disabled_until_timestep`` (the first steps of a call) or below ``disabled_below_timestep`` (the last ones);
+    0 turns either end off. Same terms as ``skip_softmax.disabled_until_timestep``. The kernel fields above are
+    what the attention op receives; the schedule is planned once per step outside it.
+
     Block sizes left ``None`` take the fastest kernel of the GPU (Hopper fp8 self-attention: FMHAv2 with Q blocks
     of 64 and one K scale per sequence and head; elsewhere Q 1 / K 16). Explicit sizes are checked here against every size some kernel has
     (:data:`SAGE_Q_BLOCK_SIZES`, :data:`SAGE_K_BLOCK_SIZES`) and, when attention is planned, against the kernels
@@ -137,10 +156,21 @@ class AttnQuantSpec:
     dtype_qk: str | None = None
     q_block_size: int | None = None
     k_block_size: int | None = None
+    disabled_until_timestep: float = 0.0
+    disabled_below_timestep: float = 0.0
 
     def __post_init__(self):
         if self.dtype_qk is not None and self.dtype_qk not in QK_DTYPES:
             raise invalid("quant.dtype_qk", self.dtype_qk, f"one of {list(QK_DTYPES)} or null")
+        for name in ("disabled_until_timestep", "disabled_below_timestep"):
+            value = finite_number(f"quant.{name}", getattr(self, name), 0.0, 1.0)
+            if value and self.dtype_qk is None:
+                raise invalid(f"quant.{name}", value, "0 unless quant.dtype_qk is set (it schedules SAGE)")
+            object.__setattr__(self, name, value)
+        until, below = self.disabled_until_timestep, self.disabled_below_timestep
+        if until and below >= until:
+            raise invalid("quant.disabled_below_timestep", below, f"a value below quant.disabled_until_timestep="
+                          f"{until:g} (SAGE runs where disabled_below_timestep <= t <= disabled_until_timestep)")
         for name, valid in (("q_block_size", SAGE_Q_BLOCK_SIZES), ("k_block_size", SAGE_K_BLOCK_SIZES)):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value not in valid):
@@ -152,6 +182,20 @@ class AttnQuantSpec:
     def enabled(self) -> bool:
         return self.dtype_qk is not None
 
+    @property
+    def scheduled(self) -> bool:
+        """Whether a step schedule holds SAGE off at some timesteps."""
+        return bool(self.disabled_until_timestep or self.disabled_below_timestep)
+
+    def runs_at(self, timestep: float | None) -> bool:
+        """Whether SAGE runs at normalized ``timestep`` (None: unknown, so a scheduled SAGE is held off)."""
+        if not self.scheduled:
+            return True
+        if timestep is None:
+            return False
+        return not (self.disabled_until_timestep and timestep > self.disabled_until_timestep) and \
+            timestep >= self.disabled_below_timestep
+
     @classmethod
     def from_dict(cls, data: Mapping) -> "AttnQuantSpec":
         _reject_unknown_keys("quant", data, [f.name for f in dataclasses.fields(cls)])
@@ -159,12 +203,51 @@ class AttnQuantSpec:
 
 
 @dataclass(frozen=True)
+class AccuracySpec:
+    """The accuracy probe and its guard (this package's extension; vLLM-Omni's schema has no such key).
+
+    Probe: at probed steps (steps 0, ``probe_every``, 2·``probe_every``... of each pipeline call) every call of the
+    layer also computes exact attention (float64, dense, every key) for ``probe_rows`` of its query rows, spread
+    evenly over its tokens, all heads, and adds the squared error of what ran and the squared exact output to the
+    layer's counters on the device. ``handle.stats`` reports the relative error ``sqrt(Σ error² / Σ exact²)`` per
+    layer and step next to sparsity. Other steps cost nothing but reading the row count (0) in the op.
+
+    Guard, when ``max_error`` is set: at the end of a probed step, a layer whose relative error exceeds it stops
+    running SAGE for the rest of the pipeline call, or, when it ran without SAGE, stops skipping; a warning names the
+    layer, the error and the bound. A dense layer above the bound is reported the same way (nothing to drop).
+    """
+
+    probe_rows: int = 16
+    probe_every: int = 1
+    max_error: float | None = None
+
+    def __post_init__(self):
+        positive_int("accuracy.probe_rows", self.probe_rows, PROBE_ROWS_MAX)
+        positive_int("accuracy.probe_every", self.probe_every)
+        if self.max_error is not None:
+            object.__setattr__(self, "max_error", finite_number("accuracy.max_error", self.max_error, above=0.0))
+
+    def probes(self, step: int) -> bool:
+        """Whether step ``step`` (0-based, of a pipeline call) is probed."""
+        return step % self.probe_every == 0
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "AccuracySpec":
+        if not isinstance(data, Mapping):
+            raise invalid("accuracy", data, "a mapping with keys probe_rows, probe_every, max_error")
+        _reject_unknown_keys("accuracy", data, [f.name for f in dataclasses.fields(cls)])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
-    """One attention setting: a backend, optionally with Skip-Softmax and/or SAGE quantization."""
+    """One attention setting: a backend, optionally with Skip-Softmax and/or SAGE quantization, and the accuracy
+    probe (``accuracy``, this package's extension)."""
 
     backend: str = AUTO
     skip_softmax: SkipSoftmaxSpec | None = None
     quant: AttnQuantSpec | None = None
+    accuracy: AccuracySpec | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "backend", canonical_backend(self.backend))
@@ -172,6 +255,8 @@ class AttentionSpec:
             object.__setattr__(self, "skip_softmax", SkipSoftmaxSpec.from_dict(self.skip_softmax))
         if isinstance(self.quant, Mapping):
             object.__setattr__(self, "quant", AttnQuantSpec.from_dict(self.quant))
+        if self.accuracy is not None and not isinstance(self.accuracy, AccuracySpec):
+            object.__setattr__(self, "accuracy", AccuracySpec.from_dict(self.accuracy))
         if self.skip_softmax is not None and not isinstance(self.skip_softmax, SkipSoftmaxSpec):
             raise invalid("skip_softmax", self.skip_softmax, "a SkipSoftmaxSpec, a dict or null")
         if self.quant is not None and not isinstance(self.quant, AttnQuantSpec):
@@ -192,8 +277,8 @@ class AttentionSpec:
     @classmethod
     def from_dict(cls, data: Mapping) -> "AttentionSpec":
         if not isinstance(data, Mapping):
-            raise invalid("spec", data, "a mapping with keys backend, skip_softmax, quant")
-        _reject_unknown_keys("spec", data, ["backend", "skip_softmax", "quant"])
+            raise invalid("spec", data, "a mapping with keys backend, skip_softmax, quant, accuracy")
+        _reject_unknown_keys("spec", data, ["backend", "skip_softmax", "quant", "accuracy"])
         return cls(**data)
 
     def to_dict(self) -> dict:
@@ -289,6 +374,14 @@ class AttentionConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+    def with_accuracy(self, accuracy: AccuracySpec | Mapping | None) -> "AttentionConfig":
+        """This config with ``accuracy`` (the probe, and the guard when it has ``max_error``) on the default and on
+        every per_role spec."""
+        def probed(spec: AttentionSpec) -> AttentionSpec:
+            return dataclasses.replace(spec, accuracy=accuracy)
+
+        return AttentionConfig(default=probed(self.default), per_role={k: probed(v) for k, v in self.per_role.items()})
 
     def resolve(self, component: str, layer: str, role: str, category: str, *,
                 sites: Sequence[Site] | None = None) -> tuple[str, AttentionSpec]:
