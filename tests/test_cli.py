@@ -83,7 +83,8 @@ def test_a_mistake_is_one_line_on_stderr_and_exit_status_2(tmp_path, script, arg
     assert line.startswith(f"{script}: error: ")
 
 
-WAN_HEIGHT = "--height 100 is invalid for Wan 2.2 A14B: expected a multiple of 16 (VAE compression 8 × patch 2), e.g. 96 or 112"
+WAN_HEIGHT = ("--height 100 is invalid for Wan 2.2 A14B: expected a multiple of 16 (VAE compression 8 × patch 2), e.g. "
+              "96 or 112")
 WAN_WIDTH = "--width 8 is invalid for Wan 2.2 A14B: expected a multiple of 16 (VAE compression 8 × patch 2), e.g. 16"
 WAN_FRAMES = "--frames 6 is invalid for Wan 2.2 A14B: expected 1 + a multiple of 4"
 
@@ -96,7 +97,8 @@ WAN_FRAMES = "--frames 6 is invalid for Wan 2.2 A14B: expected 1 + a multiple of
     ("generate.py", ["--width", "8"], {}, [WAN_WIDTH]),
     ("demo.py", ["--frames", "6"], {}, [WAN_FRAMES, "e.g. 5 or 9"]),
     ("generate.py", ["--model", "./calibrated_tiny"], {}, ["--model ./calibrated_tiny: no such folder"]),
-    ("generate.py", ["--model", "calibrated_tiny"], {}, ["unknown model 'calibrated_tiny', and no folder of that name"]),
+    ("generate.py", ["--model", "calibrated_tiny"], {},
+     ["unknown model 'calibrated_tiny', and no folder of that name"]),
     ("generate.py", [], {"DIFFUSION_ATTENTION_BACKEND": "bogus"},
      ["DIFFUSION_ATTENTION_BACKEND (environment variable): backend='bogus' is invalid: expected one of"]),
     ("evaluate.py", ["--target-sparsity", "0.5"], {},

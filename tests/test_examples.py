@@ -202,7 +202,8 @@ def test_calibrate_then_generate_tells_one_story(tmp_path, monkeypatch, capsys):
     assert not [message for message in warnings_seen if CONFIG_KEY in message]
     printed = capsys.readouterr().out
     assert sparse["shape"] == VideoShape(256, 448, 9, 2)  # the calibrated shape, read back (steps overridden)
-    assert "Skip-Softmax calibration loaded from calibrated_tiny (calibrated at 256×448, 9 frames, 4 steps):" in printed
+    assert ("Skip-Softmax calibration loaded from calibrated_tiny (calibrated at 256×448, 9 frames, 4 steps):"
+            in printed)
     for component, fit in calibration.fits.items():
         curve = fit.calibration
         assert (f"  {component}: factor = a·exp(b·s), a = {curve.a:.4g}, b = {curve.b:.4g}, observed sparsity "

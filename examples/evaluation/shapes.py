@@ -4,9 +4,10 @@ model is built.
 What a pipeline does with a shape it cannot take is no help to a user: Wan raises from its input check (a
 diffusers traceback) for a size its VAE and patches do not divide, HunyuanVideo 1.5 rounds such a size down
 without a word, and all three round a frame count that the VAE's temporal compression does not fit (Wan with a
-logged warning, the others silently). The examples refuse such a shape instead, naming the nearest that work. :func:`shape_rule_of` derives the rule
-from a built pipeline (its VAE's scale factors and its transformer's patch size); the model table in
-:mod:`.models` states it per model so that it can be checked before loading, and the tests pin the two equal.
+logged warning, the others silently). The examples refuse such a shape instead, naming the nearest that work.
+:func:`shape_rule_of` derives the rule from a built pipeline (its VAE's scale factors and its transformer's patch
+size); the model table in :mod:`.models` states it per model so that it can be checked before loading, and the
+tests pin the two equal.
 """
 
 from __future__ import annotations
