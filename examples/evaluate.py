@@ -200,7 +200,8 @@ def main(argv=None) -> dict:
               f"{args.device}; prompt: {args.prompt!r}",
               f"- TRT-LLM configurations on {backend} in {str(dtype).removeprefix('torch.')} (rows named "
               f"'{backend_label(backend)} ...'); Skip-Softmax {skip_text}; SAGE {args.sage_dtype} "
-              f"(block sizes unset: the GPU's fastest kernel); roles kept on TORCH_SDPA: {list(entry.sdpa_roles) or 'none'}",
+              "(block sizes unset: the GPU's fastest kernel); roles kept on TORCH_SDPA: "
+              f"{list(entry.sdpa_roles) or 'none'}",
               f"- quality: {quality}; speed-ups are reference time / configuration time, shown only for rows that "
               f"ran real kernels ({NO_SPEEDUP_NOTE}); sparsity = skipped / all KV tiles where the backend counts "
               "them (n/a: not counted, e.g. FlashInfer's kernels)",
