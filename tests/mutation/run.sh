@@ -2,7 +2,8 @@
 # Mutation testing of one semantic module with mutmut 3 (docs/mutation-testing.md): copies the working tree to a
 # scratch folder (mutmut rewrites files; the checkout is never touched), gives mutmut its settings there, runs the
 # module's own tests against every mutant and prints the counts. Usage: tests/mutation/run.sh MODULE [mutmut args]
-# MODULE: config | quant | reference | calibration. Scratch folder: $MUTATION_DIR (default /tmp/diffusers-trtllm-mutation).
+# MODULE: config | quant | plan | stats | steps | ops | reference | calibration.
+# Scratch folder: $MUTATION_DIR (default /tmp/diffusers-trtllm-mutation).
 set -euo pipefail -o noglob
 module=${1:-}
 shift || true
@@ -13,12 +14,22 @@ case "$module" in
   config) sources="diffusers_trtllm/config.py"
           tests="tests/test_config.py tests/test_config_precedence.py tests/test_config_edges.py" ;;
   quant) sources="diffusers_trtllm/quant.py"
-         tests="tests/test_reference.py tests/test_semantics_edges.py" ;;
+         tests="tests/test_reference.py tests/test_semantics_edges.py tests/test_quant_edges.py" ;;
+  plan) sources="diffusers_trtllm/plan.py"
+        tests="tests/test_semantics_edges.py tests/test_install_lifecycle.py tests/test_state_ownership.py
+               tests/test_dispatch_backend.py" ;;
+  stats) sources="diffusers_trtllm/stats.py"
+         tests="tests/test_semantics_edges.py tests/test_state_ownership.py tests/test_install_lifecycle.py" ;;
+  steps) sources="diffusers_trtllm/steps.py"
+         tests="tests/test_state_ownership.py tests/test_install_lifecycle.py tests/test_semantics_edges.py" ;;
+  ops) sources="diffusers_trtllm/ops.py"
+       tests="tests/test_dispatch_backend.py tests/test_semantics_edges.py tests/test_host_sync.py" ;;
   reference) sources="diffusers_trtllm/backends/reference.py"
              tests="tests/test_reference.py tests/test_semantics_edges.py" ;;
   calibration) sources="diffusers_trtllm/calibration/*"
                tests="tests/test_calibration.py tests/test_calibration_edges.py" ;;
-  *) echo "usage: $0 config|quant|reference|calibration [mutmut run arguments]: got '$module'" >&2; exit 2 ;;
+  *) echo "usage: $0 config|quant|plan|stats|steps|ops|reference|calibration [mutmut run arguments]:" \
+          "got '$module'" >&2; exit 2 ;;
 esac
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${MUTATION_DIR:-/tmp/diffusers-trtllm-mutation}/$module
@@ -37,7 +48,7 @@ for t in $tests tests/helpers.py; do if [ -f "$repo/$t" ]; then cp "$repo/$t" "$
 cd "$work"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1  # one thread per worker: two cores, two workers
 echo "$module: mutating $sources with $(sed -n '/^pytest_add_cli_args_test_selection/,$p' setup.cfg | tail -n +2 | tr -s ' \n' ' ')-k '$deselect'"
-nice -n 15 mutmut run "$@" || true
+nice -n 19 mutmut run "$@" || true
 mutmut results --all true > results.txt || true
 echo "$module: $(grep -c ': killed' results.txt || true) killed, $(grep -c ': survived' results.txt || true) survived," \
   "$(grep -vc ': killed\|: survived' results.txt || true) other (timeout, no tests, suspicious); list: $work/results.txt"
