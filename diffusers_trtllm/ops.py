@@ -2,18 +2,24 @@
 
 ``torch.ops.diffusers_trtllm.attention`` runs any registered backend (FlashInfer's TRT-LLM kernels, the Triton
 SAGE kernel, the PyTorch reference); ``attention_counted`` is the same op returning the call's tile counts too,
-for call sites whose statistics are on (with statistics off nothing but the output is allocated). Dynamo sees one
-op with a fake implementation (output shaped like q); it never traces the Triton kernel, FlashInfer's Python or
-the reference's tile loop.
+for call sites whose statistics are on (with statistics off nothing but the output is allocated), and
+``attention_probed`` also returns the accuracy probe's error sums, for call sites with an ``accuracy`` spec.
+Dynamo sees one op with a fake implementation (output shaped like q); it never traces the Triton kernel,
+FlashInfer's Python, the reference's tile loop or the probe.
 
 What changes during a run reaches the op as tensors, so it never forces a recompile:
 
-- ``skip_value``: a 0-dim float64 tensor on the CPU, updated in place once per denoising step by the planner:
-  0 runs dense; otherwise FlashInfer's threshold scale factor, or λ when ``per_kv_len`` (the factor is then
-  λ · the longest key length of the call). Reading it in the op is a host read, never a device sync.
+- ``settings``: a float64 CPU tensor ``[3]``, updated in place once per denoising step by the planner (read in
+  the op with one host read, never a device sync):
+
+  - ``settings[SKIP]``: 0 runs without skipping; otherwise FlashInfer's threshold scale factor, or λ when
+    ``per_kv_len`` (the factor is then λ · the longest key length of the call);
+  - ``settings[SAGE]``: 1 runs the ``quant`` argument's SAGE, 0 runs dense (the SAGE step schedule, the guard);
+  - ``settings[PROBE]``: query rows the accuracy probe checks in this step (0: not probed).
 - ``attention_counted`` returns this call's counts (skipped KV tiles, tiles, calls, calls whose backend counted
-  tiles) as a device tensor that the caller adds to its site's counters; statistics keep those once per step,
-  outside the traced region. The ops mutate nothing, so autograd (a dense, straight-through backward) and
+  tiles) as a device tensor that the caller adds to its site's counters; ``attention_probed`` adds the probe's
+  ``[Σ error², Σ exact²]`` (float64, zeros at steps not probed); statistics keep those once per step, outside
+  the traced region. The ops mutate nothing, so autograd (a dense, straight-through backward) and
   ``torch.export`` take it.
 - ``valid_lengths``: an int CPU tensor of each sample's valid prefix (HunyuanVideo's padded text), read on
   the host once per transformer call by the processor's pre-hook, or None.
@@ -21,22 +27,37 @@ What changes during a run reaches the op as tensors, so it never forces a recomp
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import warnings
 
 import torch
 
+from .accuracy import probe_error_sums
 from .backends import run_backend, select_backend
 from .backends.base import KernelPlan, VarlenQKV
 from .backends.sdpa import sdpa_attention
 from .config import AttnQuantSpec
 
 
+#: indices into the op's ``settings`` tensor
+SKIP, SAGE, PROBE = 0, 1, 2
+
+
+def initial_settings(skip_value: float = 0.0) -> torch.Tensor:
+    """A call's ``settings``: skip value, SAGE on (as its ``quant`` argument says), not probed."""
+    settings = torch.zeros(3, dtype=torch.float64)
+    settings[SKIP], settings[SAGE] = skip_value, 1.0
+    return settings
+
+
 def encode_quant(quant: AttnQuantSpec | None) -> str:
-    """The op's ``quant`` argument: a JSON object, or "" for no SAGE (a string is a constant in a traced graph)."""
-    return "" if quant is None else json.dumps(dataclasses.asdict(quant), sort_keys=True)
+    """The op's ``quant`` argument: the kernel's fields as a JSON object, or "" for no SAGE (a string is a constant
+    in a traced graph; the step schedule reaches the op through ``settings[SAGE]``)."""
+    if quant is None:
+        return ""
+    kernel = {name: getattr(quant, name) for name in ("dtype_qk", "q_block_size", "k_block_size")}
+    return json.dumps(kernel, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,24 +65,39 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
     return AttnQuantSpec.from_dict(json.loads(text)) if text else None
 
 
-def _attention(q, k, v, valid_lengths, skip_value, count, backend, scale, causal, quant, per_kv_len, tile_q,
-               tile_kv, planned):
+def _attention(q, k, v, valid_lengths, settings, count, backend, scale, causal, quant, per_kv_len, tile_q,
+               tile_kv, planned, probe=False):
+    """(output, the backend's result, the probe's error sums or None)."""
     qkv, rows = packed_problem(q, k, v, valid_lengths)
+    value, sage, probe_rows = settings.tolist()
     if not planned:
-        backend = unplanned_backend(backend, qkv, causal, skip_value, quant)
-    value = float(skip_value)
+        backend = unplanned_backend(backend, qkv, causal, value, quant)
     factor = value * qkv.max_seqlen_kv if per_kv_len else value
-    plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor, quant=decode_quant(quant),
-                      tile=(tile_q, tile_kv), count_skips=count)
+    plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor,
+                      quant=decode_quant(quant) if sage else None, tile=(tile_q, tile_kv), count_skips=count)
     result = run_backend(backend, qkv, plan)
+    errors = None
+    if probe:
+        errors = (probe_error_sums(qkv, result.out, int(probe_rows), scale, causal) if probe_rows else
+                  torch.zeros(2, dtype=torch.float64, device=q.device))
     out = result.out.view(q.shape) if rows is None else \
         q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape)
-    return out, result
+    return out, result, errors
+
+
+def _counts(result, device) -> torch.Tensor:
+    counts = torch.zeros(4, dtype=torch.int64, device=device)
+    counts[2] = 1  # fills on the device: no copy from the host
+    if result.skipped_tiles is not None:
+        counts[0] = result.skipped_tiles
+        counts[1] = result.total_tiles
+        counts[3] = 1
+    return counts
 
 
 @torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
-              skip_value: torch.Tensor, backend: str, scale: float, causal: bool, quant: str, per_kv_len: bool,
+              settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str, per_kv_len: bool,
               tile_q: int, tile_kv: int, planned: bool) -> torch.Tensor:
     """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``, shaped and typed like q.
 
@@ -69,38 +105,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
     ``valid_lengths[b]`` tokens only (HunyuanVideo's joint sequence with padded text); the other rows are 0.
     ``backend`` names the kernel route (a registered backend, resolved at install). ``planned``: the backend was
     chosen for this call site at install; otherwise it is checked (explicit) or chosen (``auto``) here, once per
-    kind of call.
+    kind of call. ``settings``: this step's skip value, SAGE switch and probe rows (module docstring).
     """
-    return _attention(q, k, v, valid_lengths, skip_value, False, backend, scale, causal, quant, per_kv_len,
+    return _attention(q, k, v, valid_lengths, settings, False, backend, scale, causal, quant, per_kv_len,
                       tile_q, tile_kv, planned)[0]
 
 
 @torch.library.custom_op("diffusers_trtllm::attention_counted", mutates_args=())
 def attention_counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
-                      skip_value: torch.Tensor, backend: str, scale: float, causal: bool, quant: str,
+                      settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str,
                       per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` that also returns this call's counts: int64 ``[4]`` on q's device, (skipped KV tiles,
     tiles, 1, 1 if the backend counted tiles). The caller adds them to its site's counters."""
-    out, result = _attention(q, k, v, valid_lengths, skip_value, True, backend, scale, causal, quant, per_kv_len,
-                             tile_q, tile_kv, planned)
-    counts = torch.zeros(4, dtype=torch.int64, device=q.device)
-    counts[2] = 1  # fills on the device: no copy from the host
-    if result.skipped_tiles is not None:
-        counts[0] = result.skipped_tiles
-        counts[1] = result.total_tiles
-        counts[3] = 1
-    return out, counts
+    out, result, _ = _attention(q, k, v, valid_lengths, settings, True, backend, scale, causal, quant, per_kv_len,
+                                tile_q, tile_kv, planned)
+    return out, _counts(result, q.device)
+
+
+@torch.library.custom_op("diffusers_trtllm::attention_probed", mutates_args=())
+def attention_probed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
+                     settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str,
+                     per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_counted` that also returns the accuracy probe's float64 ``[Σ error², Σ exact²]`` over
+    ``settings[PROBE]`` query rows of the call (zeros when 0: a step not probed). The caller adds them to its
+    site's error sums."""
+    out, result, errors = _attention(q, k, v, valid_lengths, settings, True, backend, scale, causal, quant,
+                                     per_kv_len, tile_q, tile_kv, planned, probe=True)
+    return out, _counts(result, q.device), errors
 
 
 @attention.register_fake
-def _(q, k, v, valid_lengths, skip_value, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
+def _(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
     return torch.empty_like(q)
 
 
 @attention_counted.register_fake
-def _(q, k, v, valid_lengths, skip_value, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
+def _(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
     return torch.empty_like(q), q.new_empty(4, dtype=torch.int64)
+
+
+@attention_probed.register_fake
+def _(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
+    return torch.empty_like(q), q.new_empty(4, dtype=torch.int64), q.new_empty(2, dtype=torch.float64)
 
 
 def _setup_backward(ctx, inputs, output) -> None:
@@ -110,7 +158,7 @@ def _setup_backward(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v)
 
 
-def _backward(ctx, grad_out, grad_counts=None):
+def _backward(ctx, grad_out, *grad_counters):
     """Dense attention's gradient, recomputed with SDPA: straight-through for Skip-Softmax and SAGE (what they
     approximate), and exact for dense backends. For fine-tuning and tests; inference never calls it."""
     q, k, v = ctx.saved_tensors
@@ -136,6 +184,7 @@ def dense_attention(q, k, v, valid_lengths, scale: float, causal: bool) -> torch
 
 attention.register_autograd(_backward, setup_context=_setup_backward)
 attention_counted.register_autograd(_backward, setup_context=_setup_backward)
+attention_probed.register_autograd(_backward, setup_context=_setup_backward)
 
 
 def packed_problem(q, k, v, valid_lengths) -> tuple[VarlenQKV, torch.Tensor | None]:
@@ -162,7 +211,7 @@ _UNPLANNED_CHOICES: dict[tuple, str] = {}
 _UNPLANNED_WARNED: set[tuple[str, str]] = set()
 
 
-def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: torch.Tensor, quant: str) -> str:
+def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: float, quant: str) -> str:
     """The backend of a call not planned at install (``set_attention_backend("trtllm")``, the processors' unbound
     form), chosen once per kind of call: an explicit one that cannot run raises with its reason; ``auto`` that
     drops a feature warns once per reason (not once per shape)."""

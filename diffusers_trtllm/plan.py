@@ -4,12 +4,15 @@ At install, :class:`CallPlanner` resolves every call site's spec (component, lay
 backend for the GPU the pipeline will run on: an explicit backend that cannot run a site's attention (causal,
 head_dim, dtype, GPU) raises then, with the fix in the message; ``auto`` that cannot keep Skip-Softmax or SAGE
 warns once, naming the roles. Once per denoising step, :meth:`CallPlanner.plan_step` turns the timestep gate and
-λ (or the calibrated factor) into each site's skip value, a CPU tensor the attention op reads; nothing on the
-per-call path looks at Python state that changes during a run.
+λ (or the calibrated factor), the SAGE step schedule, the accuracy guard's decisions and the probe's steps into
+each site's ``settings``, a CPU tensor the attention op reads; nothing on the per-call path looks at Python state
+that changes during a run. At the end of a probed step, :meth:`CallPlanner.guard` reads the probed errors and
+takes SAGE (else skipping) away from a layer above its bound for the rest of the pipeline call.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -18,12 +21,13 @@ import torch
 
 from .backends import select_backend
 from .backends.trtllm import sage_semantics
-from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV
+from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV, get_backend
 from .calibration.curve import SkipCalibration
-from .config import TORCH_REFERENCE, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
+from .config import (TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttentionSpec, AttnQuantSpec,
+                     SkipSoftmaxSpec)
 from .errors import AttentionConfigError, BackendUnavailableError
 from .kernels.triton_sage import SKIP_SAMPLE_WAVES
-from .ops import encode_quant
+from .ops import SAGE, SKIP, encode_quant, initial_settings
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,9 @@ class HeadLayout:
 @dataclass(eq=False)
 class AttentionCall:
     """How one call site runs: what a processor hands to the attention op with every call of its role. Fixed at
-    install except ``skip_value`` (updated in place once per step) and ``counts`` (accumulated on the device)."""
+    install except ``settings`` (updated in place once per step: skip value, SAGE switch, probe rows),
+    ``counts`` and ``error_sums`` (accumulated on the device) and ``guard_dropped`` (what the guard took away in
+    this pipeline call)."""
 
     site: CallSite
     backend: str
@@ -76,7 +82,8 @@ class AttentionCall:
     planned: bool = True
     #: the kernel route the op runs (``backend``, or the test seam's route chosen at install); "" = ``backend``
     route: str = ""
-    skip_value: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    #: this step's skip value, SAGE switch and probe rows (``ops.SKIP``, ``ops.SAGE``, ``ops.PROBE``)
+    settings: torch.Tensor = field(default_factory=initial_settings)
     counts: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.int64))
     #: the op adds to ``counts`` (statistics are on and the site was planned for the device ``counts`` is on)
     counting: bool = False
@@ -85,6 +92,13 @@ class AttentionCall:
     #: calibration only (eager): this step's calls that would skip go to ``probe`` and then run dense.
     probe: Callable | None = None
     probing: bool = False
+    #: the accuracy probe and guard (the op also returns ``[Σ error², Σ exact²]``, added to ``error_sums``)
+    accuracy: AccuracySpec | None = None
+    error_sums: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    #: what the guard took away for the rest of the pipeline call: "sage", "skip"; "dense" once reported
+    guard_dropped: set = field(default_factory=set)
+    #: this step is probed (``settings[PROBE] > 0``), as a Python bool for the step boundary
+    step_probed: bool = False
 
     #: the op's arguments derived from the above, computed once (not on the traced path)
     quant_arg: str = field(init=False)
@@ -96,19 +110,52 @@ class AttentionCall:
         # λ is given (``threshold``): the op multiplies it by the call's longest key length.
         self.per_kv_len = self.skip is not None and self.skip.threshold is not None
 
+    @property
+    def skip_value(self) -> torch.Tensor:
+        """This step's skip value (a 0-dim view of ``settings``)."""
+        return self.settings[SKIP]
+
+    @property
+    def probed(self) -> bool:
+        """The accuracy probe is on for this site (it needs the site's statistics)."""
+        return self.accuracy is not None and self.counting
+
     @classmethod
     def unplanned(cls, site: CallSite, backend: str, causal: bool, quant: AttnQuantSpec | None,
-                  skip: SkipSoftmaxSpec | None) -> "AttentionCall":
+                  skip: SkipSoftmaxSpec | None, accuracy: AccuracySpec | None = None) -> "AttentionCall":
         """A call not planned at install (its backend is checked or chosen by the op at the first call), with no
-        timestep: its skip value is set once, here."""
+        timestep: its skip value is set once, here. The SAGE step schedule and the accuracy probe need a
+        pipeline's steps and statistics: refused."""
+        if accuracy is not None or (quant is not None and quant.scheduled):
+            what = "accuracy (the probe and guard)" if accuracy is not None else \
+                "quant.disabled_until_timestep / disabled_below_timestep (the SAGE step schedule)"
+            raise AttentionConfigError(
+                f"{site.role}: {what} needs the pipeline's steps and statistics, which a processor or the 'trtllm' "
+                "dispatcher backend alone does not see: install with diffusers_trtllm.enable_trtllm_attention(pipe, "
+                "config), or remove it")
         call = cls(site, backend, causal, quant, skip, planned=False)
         call.skip_value.fill_(call.step_value(None))
         return call
 
-    def mode(self, skipping: bool) -> str:
-        """Short name of what runs: ``dense``, ``skip``, ``sage-int8``, ``sage-fp8_e4m3+skip``..."""
-        parts = [f"sage-{self.quant.dtype_qk}"] if self.quant is not None else []
+    def mode(self, skipping: bool, quantized: bool | None = None) -> str:
+        """Short name of what runs: ``dense``, ``skip``, ``sage-int8``, ``sage-fp8_e4m3+skip``... (``quantized``:
+        whether SAGE runs; None: whenever the call has it)."""
+        quantized = self.quant is not None if quantized is None else quantized and self.quant is not None
+        parts = [f"sage-{self.quant.dtype_qk}"] if quantized else []
         return "+".join(parts + (["skip"] if skipping else [])) or "dense"
+
+    def current_mode(self) -> str:
+        """What this step runs, from ``settings``."""
+        return self.mode(bool(self.settings[SKIP]), bool(self.settings[SAGE]))
+
+    def plan(self, timestep: float | None, step: int) -> None:
+        """Fill ``settings`` for step ``step`` at normalized ``timestep``: skip value and SAGE as the gates and the
+        guard allow, probe rows at probed steps (in place: no recompile)."""
+        skip = 0.0 if "skip" in self.guard_dropped else self.step_value(timestep)
+        sage = self.quant is not None and "sage" not in self.guard_dropped and self.quant.runs_at(timestep)
+        self.step_probed = self.probed and self.accuracy.probes(step)
+        rows = self.accuracy.probe_rows if self.step_probed else 0
+        self.settings.copy_(torch.tensor([skip, float(sage), float(rows)], dtype=torch.float64))
 
     def step_value(self, timestep: float | None, skip: SkipSoftmaxSpec | None = None) -> float:
         """The skip value for a step at normalized ``timestep`` (None: no timestep known)."""
@@ -141,6 +188,7 @@ class CallPlanner:
         self.layouts: dict[CallSite, HeadLayout] = {}
         self.traits: dict[CallSite, RoleTraits] = {}
         self.timestep: float | None = None
+        self.step = 0
         self._warned: set[str] = set()
 
     # --- install time -------------------------------------------------------------------------------------------
@@ -186,7 +234,6 @@ class CallPlanner:
         try:
             choice = select_backend(spec.backend, kernel, qkv)
         except BackendUnavailableError as e:
-            from .backends.base import get_backend  # local: the module's import lines belong to another edit
             from .config import AUTO
 
             non_causal = KernelPlan(backend=spec.backend, scale=kernel.scale)
@@ -209,8 +256,18 @@ class CallPlanner:
         requested_skip = skip
         if choice.dropped:
             skip, quant, calibration = None, None, None
+        if quant is not None and (quant.scheduled or (spec.accuracy is not None and spec.accuracy.max_error)):
+            # the SAGE step schedule and the guard run this site dense at some steps: that must run here too
+            dense = KernelPlan(backend=choice.name, scale=kernel.scale, causal=traits.causal,
+                               skip_factor=kernel.skip_factor)
+            reason = get_backend(choice.name).unavailable_reason(dense, qkv)
+            if reason is not None:
+                raise BackendUnavailableError(
+                    f"{site.qualified_layer} ({site.role} attention, per_role key {key!r}): the SAGE step schedule "
+                    f"or accuracy guard runs it without SAGE at some steps, which {choice.name} cannot run here: "
+                    f"{reason}")
         return AttentionCall(site, choice.name, traits.causal, quant, skip, calibration, dropped=choice.dropped,
-                             route=choice.route, requested_skip=requested_skip)
+                             route=choice.route, requested_skip=requested_skip, accuracy=spec.accuracy)
 
     def _calibration_for(self, site: CallSite, skip: SkipSoftmaxSpec) -> SkipCalibration:
         calibration = self.calibrations.get(site.component)
@@ -246,17 +303,62 @@ class CallPlanner:
                 for pays_from, roles in sampled.items()]
 
     def _allocate_counts(self, device: torch.device) -> None:
+        probed = [call.site.qualified_layer for call in self.calls.values() if call.accuracy is not None]
+        if probed and not self.collect_stats:
+            raise AttentionConfigError(
+                f"accuracy (the probe) is set for {len(probed)} layers (e.g. {probed[0]}) but collect_stats=False: "
+                "the probe reports its errors in handle.stats; install with collect_stats=True or remove accuracy")
         for call in self.calls.values():
             call.counts = torch.zeros(4, dtype=torch.int64, device=device)
+            call.error_sums = torch.zeros(2, dtype=torch.float64, device=device)
             call.counting = self.collect_stats
 
-    # --- once per denoising step ----------------------------------------------------------------------------------
-    def plan_step(self, timestep: float | None) -> None:
-        """Set every site's skip value for a step at normalized ``timestep`` (in place: no recompile)."""
-        self.timestep = timestep
+    # --- once per pipeline call and denoising step -----------------------------------------------------------------
+    def start_run(self) -> None:
+        """A pipeline call starts: what the guard took away in the last one is given back."""
         for call in self.calls.values():
-            call.skip_value.fill_(call.step_value(timestep))
+            call.guard_dropped.clear()
+
+    def plan_step(self, timestep: float | None, step: int | None = None) -> None:
+        """Set every site's settings for step ``step`` (None: the current one) at normalized ``timestep`` (in
+        place: no recompile)."""
+        self.timestep = timestep
+        self.step = self.step if step is None else step
+        for call in self.calls.values():
+            call.plan(timestep, self.step)
             call.probing = call.probe is not None and call.step_value(timestep, call.requested_skip) > 0.0
+
+    def guarding(self) -> bool:
+        """Whether this step is probed at a site with a guard (the clock then reads the errors at its end)."""
+        return any(call.step_probed and call.accuracy.max_error for call in self.calls.values())
+
+    def guard(self, step: int, errors: Mapping["AttentionCall", tuple[float, float]]) -> None:
+        """The guard at the end of probed step ``step`` (``errors``: each probed site's ``(Σ error², Σ exact²)``
+        in it): a site above its ``accuracy.max_error`` loses SAGE, else skipping, for the rest of the pipeline
+        call (its settings change at the next :meth:`plan_step`), with a warning."""
+        for call, (error_sq, exact_sq) in errors.items():
+            bound = call.accuracy.max_error if call.accuracy is not None else None
+            if not bound or not call.step_probed or not exact_sq:
+                continue
+            error = math.sqrt(error_sq / exact_sq)
+            if error <= bound:
+                continue
+            mode = call.current_mode()
+            if bool(call.settings[SAGE]) and call.quant is not None:
+                drop, what = "sage", "SAGE"
+            elif bool(call.settings[SKIP]):
+                drop, what = "skip", "Skip-Softmax"
+            elif "dense" in call.guard_dropped:
+                continue
+            else:
+                drop, what = "dense", ""
+            call.guard_dropped.add(drop)
+            outcome = (f"it runs without {what} for the rest of this pipeline call" if what else
+                       "it ran dense, so there is nothing to drop (reported once per pipeline call)")
+            warnings.warn(
+                f"diffusers_trtllm: {call.site.qualified_layer} ({call.site.role} attention, {mode}): probed error "
+                f"{error:.3g} at step {step} exceeds the bound accuracy.max_error={bound:g}; {outcome}",
+                stacklevel=2)
 
     def set_probe(self, probe: Callable | None) -> None:
         """Hand every call that would skip to ``probe(site, qkv, scale=, causal=, tile=)`` and run it dense

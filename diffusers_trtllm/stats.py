@@ -1,9 +1,10 @@
-"""What ran: per denoising step and attention layer, the backend, the mode and the achieved sparsity.
+"""What ran: per denoising step and attention layer, the backend, the mode, the achieved sparsity and, where the
+accuracy probe is on, the relative error of what ran against exact attention on the probed rows.
 
-Nothing is recorded on the per-call path: the attention op adds its tile counts to a per-site counter on the
-device, and at each step boundary (outside any traced region) :meth:`AttentionStats.close_step` keeps the step's
-counters as one stacked device tensor and zeroes them. They reach the host in one copy when a summary is asked
-for. Statistics hold one run (a pipeline call): a new run zeroes the counters and drops the last run's records, so
+Nothing is recorded on the per-call path: the attention op adds its tile counts (and the probe's error sums) to
+per-site counters on the device, and at each step boundary (outside any traced region)
+:meth:`AttentionStats.close_step` keeps the step's counters as stacked device tensors and zeroes them. They reach
+the host in one copy per kind when a summary is asked for (and the guard reads a probed step's errors once). Statistics hold one run (a pipeline call): a new run zeroes the counters and drops the last run's records, so
 memory stays flat over many calls.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
+
+import math
 
 import torch
 
@@ -26,6 +29,9 @@ class CallRecord:
     skipped: int = 0
     total: int = 0
     counted: bool = True
+    probed: bool = False
+    error_sq: float = 0.0
+    exact_sq: float = 0.0
 
     @property
     def sparsity(self) -> float | None:
@@ -34,17 +40,33 @@ class CallRecord:
             return None
         return self.skipped / self.total if self.total else 0.0
 
+    @property
+    def error(self) -> float | None:
+        """The accuracy probe's relative error ``sqrt(Σ error² / Σ exact²)`` on its rows, or None when the
+        probe did not run."""
+        return relative_error(self.error_sq, self.exact_sq) if self.probed else None
+
+
+def relative_error(error_sq: float, exact_sq: float) -> float:
+    """``sqrt(error_sq / exact_sq)`` (0 for an exact zero output, infinite for any error on it)."""
+    if not exact_sq:
+        return 0.0 if not error_sq else math.inf
+    return math.sqrt(error_sq / exact_sq)
+
 
 class AttentionStats:
     """Records keyed by ``(step, "component.layer", backend, mode)``: a layer whose attention calls run
     differently (Cosmos 3's dense causal stream beside its skipping generation stream) keeps one record per way.
 
-    ``calls``: the planned calls whose counters these statistics keep (those with ``counting`` set).
+    ``calls``: the planned calls whose counters these statistics keep (those with ``counting`` set); the
+    accuracy probe's error sums are kept for those among them with an ``accuracy`` spec.
     """
 
     def __init__(self, calls: Iterable = ()):
         self._calls = [call for call in calls if call.counting]
-        self._steps: list[tuple[int, tuple[str, ...], torch.Tensor]] = []
+        self._probed = [call for call in self._calls if call.accuracy is not None]
+        # (step, modes, counts [calls, 4], probed flags, error sums [probed calls, 2] or None)
+        self._steps: list[tuple] = []
         self._records: dict = {}
 
     def start_run(self) -> None:
@@ -52,24 +74,36 @@ class AttentionStats:
         self._steps.clear()
         self._records.clear()
         if self._calls:
-            torch._foreach_zero_([call.counts for call in self._calls])
+            torch._foreach_zero_([call.counts for call in self._calls] + [call.error_sums for call in self._probed])
 
     def close_step(self, step: int) -> None:
-        """Keep the counters as step ``step`` (one stacked device copy, no host sync) and zero them."""
+        """Keep the counters as step ``step`` (stacked device copies, no host sync) and zero them."""
         if not self._calls:
             return
         counts = [call.counts for call in self._calls]
-        modes = tuple(call.mode(bool(call.skip_value)) for call in self._calls)
-        self._steps.append((step, modes, torch.stack(counts)))
-        torch._foreach_zero_(counts)
+        modes = tuple(call.current_mode() for call in self._calls)
+        sums = [call.error_sums for call in self._probed]
+        probed = tuple(call.step_probed for call in self._probed)
+        self._steps.append((step, modes, torch.stack(counts), probed, torch.stack(sums) if sums else None))
+        torch._foreach_zero_(counts + sums)
+
+    def step_errors(self) -> dict:
+        """The last closed step's ``(Σ error², Σ exact²)`` per probed call (one host copy): what the guard reads
+        at the end of a probed step."""
+        if not self._steps or self._steps[-1][4] is None:
+            return {}
+        return dict(zip(self._probed, map(tuple, self._steps[-1][4].cpu().tolist())))
 
     @property
     def records(self) -> dict:
-        """``{(step, layer, backend, mode): CallRecord}`` for every site that ran (one host copy of the steps
-        closed since the last read)."""
+        """``{(step, layer, backend, mode): CallRecord}`` for every site that ran (one host copy per kind of
+        counter of the steps closed since the last read)."""
         if self._steps:
-            values = torch.stack([counts for *_, counts in self._steps]).cpu().tolist()
-            for (step, modes, _), rows in zip(self._steps, values):
+            values = torch.stack([counts for _, _, counts, _, _ in self._steps]).cpu().tolist()
+            errors = (torch.stack([sums for *_, sums in self._steps]).cpu().tolist() if self._probed else
+                      [[] for _ in self._steps])
+            for (step, modes, _, probed, _), rows, sums in zip(self._steps, values, errors):
+                probe = {id(call): (flag, pair) for call, flag, pair in zip(self._probed, probed, sums)}
                 for call, mode, (skipped, total, calls, counted) in zip(self._calls, modes, rows):
                     if not calls:
                         continue
@@ -79,6 +113,11 @@ class AttentionStats:
                     rec.skipped += skipped
                     rec.total += total
                     rec.counted = rec.counted and counted == calls
+                    flag, (error_sq, exact_sq) = probe.get(id(call), (False, (0.0, 0.0)))
+                    if flag:
+                        rec.probed = True
+                        rec.error_sq += error_sq
+                        rec.exact_sq += exact_sq
             self._steps.clear()
         return self._records
 
@@ -104,6 +143,28 @@ class AttentionStats:
         """Achieved sparsity per layer over all steps."""
         return self._sparsity_by(1)
 
+    def _error_by(self, group) -> dict:
+        """The probe's relative error pooled by ``group(record key)`` over the probed records."""
+        sums: dict = {}
+        for key, rec in self.records.items():
+            if rec.probed:
+                pair = sums.setdefault(group(key), [0.0, 0.0])
+                pair[0] += rec.error_sq
+                pair[1] += rec.exact_sq
+        return {g: relative_error(*sums[g]) for g in sorted(sums)}
+
+    def error_per_step(self) -> dict[int, float]:
+        """The accuracy probe's relative error per probed step over all probed layers."""
+        return self._error_by(lambda key: key[0])
+
+    def error_per_layer(self) -> dict[str, float]:
+        """The accuracy probe's relative error per probed layer over its probed steps."""
+        return self._error_by(lambda key: key[1])
+
+    def errors(self) -> dict[tuple[int, str], float]:
+        """The accuracy probe's relative error per probed ``(step, layer)``."""
+        return self._error_by(lambda key: key[:2])
+
     def modes(self) -> dict[int, dict[str, int]]:
         """Per step, how many layers ran each ``backend:mode``."""
         out: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -112,18 +173,49 @@ class AttentionStats:
         return {s: dict(m) for s, m in sorted(out.items())}
 
     def summary(self) -> dict:
-        """One-call summary: overall sparsity, per step, per layer, and the modes that ran."""
+        """One-call summary: overall sparsity, per step, per layer, and the modes that ran; where the accuracy
+        probe ran, its relative error overall (``error``, None when it did not), per step and per layer."""
         counted = [r for r in self.records.values() if r.counted]
         skipped, total = sum(r.skipped for r in counted), sum(r.total for r in counted)
+        probed = [r for r in self.records.values() if r.probed]
+        error = relative_error(sum(r.error_sq for r in probed), sum(r.exact_sq for r in probed)) if probed else None
         return {"sparsity": skipped / total if total else None, "per_step": self.per_step(),
-                "per_layer": self.per_layer(), "modes": self.modes()}
+                "per_layer": self.per_layer(), "modes": self.modes(), "error": error,
+                "error_per_step": self.error_per_step(), "error_per_layer": self.error_per_layer()}
 
     def table(self) -> str:
-        """Markdown table: one row per step with its modes and achieved sparsity."""
-        lines = ["| step | modes | sparsity |", "|---:|---|---:|"]
+        """Markdown table: one row per step with its modes, achieved sparsity and, where the accuracy probe ran,
+        its relative error over all probed layers and the worst layer's ("-": the step was not probed)."""
+        errors, error_per_step = self.errors(), self.error_per_step()
+        worst: dict = {}
+        for (step, layer), error in errors.items():
+            if step not in worst or error > worst[step][1]:
+                worst[step] = (layer, error)
+        lines = ["| step | modes | sparsity | probed error | worst layer (error) |", "|---:|---|---:|---:|---|"]
         per_step = self.per_step()
         for step, modes in self.modes().items():
             sp = per_step.get(step)
             text = ", ".join(f"{n}× {m}" for m, n in sorted(modes.items()))
-            lines.append(f"| {step} | {text} | {'n/a' if sp is None else f'{sp:.3f}'} |")
+            probe = (f"{error_per_step[step]:.2e} | {worst[step][0]} ({worst[step][1]:.2e})" if step in worst
+                     else "- | -")
+            lines.append(f"| {step} | {text} | {'n/a' if sp is None else f'{sp:.3f}'} | {probe} |")
+        return "\n".join(lines)
+
+    def error_table(self) -> str:
+        """Markdown table of the accuracy probe per layer: what ran, its relative error over the probed steps,
+        the worst probed step's, and its sparsity ("" when the probe did not run)."""
+        errors, per_layer, sparsity = self.errors(), self.error_per_layer(), self.per_layer()
+        if not per_layer:
+            return ""
+        modes: dict = defaultdict(set)
+        for (_, layer, backend, mode), rec in self.records.items():
+            if rec.probed:
+                modes[layer].add(f"{backend}:{mode}")
+        lines = ["| layer | ran (probed steps) | probed error | worst step (error) | sparsity |",
+                 "|---|---|---:|---:|---:|"]
+        for layer, error in per_layer.items():
+            step, worst = max(((s, e) for (s, name), e in errors.items() if name == layer), key=lambda x: x[1])
+            sp = sparsity.get(layer)
+            lines.append(f"| {layer} | {', '.join(sorted(modes[layer]))} | {error:.2e} | {step} ({worst:.2e}) | "
+                         f"{'n/a' if sp is None else f'{sp:.3f}'} |")
         return "\n".join(lines)

@@ -8,8 +8,11 @@ scheduler's own again. So replacing ``pipe.scheduler`` is followed at the next c
 pipelines carries nothing of either between calls, and nothing is read on the per-call attention path (the
 transformer can be compiled whole).
 
+At the end of a step probed by a site with an accuracy guard, the clock reads that step's probed errors (one
+host copy, once per probed step) and hands them to the planner's guard before planning the next step.
+
 Outside a pipeline call (a bare transformer, or a pipeline's transformer called directly), and only when a
-timestep gate is configured, a forward pre-hook reads the transformer's timestep argument (one host read per
+timestep gate (Skip-Softmax's or the SAGE step schedule) is configured, a forward pre-hook reads the transformer's timestep argument (one host read per
 transformer call): a new timestep is a new step, a rising one a new run.
 """
 
@@ -56,28 +59,34 @@ class DenoisingClock:
     def start_run(self) -> None:
         """A run starts: statistics and counters zeroed, step 0, no timestep known yet."""
         self.stats.start_run()
+        self.planner.start_run()
         self.running = True
         self.step = 0
         self.timesteps = []
-        self.planner.plan_step(None)
+        self.planner.plan_step(None, 0)
 
     def set_timesteps(self, timesteps: torch.Tensor, num_train_timesteps: int) -> None:
         """The run's timesteps (one host copy per run); plans the current step."""
         self.num_train_timesteps = num_train_timesteps
         self.timesteps = [t / num_train_timesteps for t in torch.as_tensor(timesteps).float().tolist()]
         self.step = 0
-        self.planner.plan_step(self._timestep_at(self.step))
+        self.planner.plan_step(self._timestep_at(self.step), self.step)
 
     def set_step(self, step: int) -> None:
         """The scheduler starts (or continues) at ``step`` of its timesteps (img2img's begin index)."""
         self.step = step
-        self.planner.plan_step(self._timestep_at(step))
+        self.planner.plan_step(self._timestep_at(step), step)
 
     def end_step(self, next_step: int | None = None) -> None:
-        """A denoising step ended: keep its statistics and plan the next one (the scheduler's own step index
-        when it has one)."""
-        self.stats.close_step(self.step)
+        """A denoising step ended: keep its statistics, let the guard judge it, and plan the next one (the
+        scheduler's own step index when it has one)."""
+        self._close_step()
         self.set_step(self.step + 1 if next_step is None else next_step)
+
+    def _close_step(self) -> None:
+        self.stats.close_step(self.step)
+        if self.planner.guarding():
+            self.planner.guard(self.step, self.stats.step_errors())
 
     def flush(self) -> None:
         """Keep the counters of the step in progress (before statistics are read)."""
@@ -117,7 +126,8 @@ class DenoisingClock:
         scheduler = getattr(pipe, "scheduler", None)
         if self.gated and not (hasattr(scheduler, "set_timesteps") and hasattr(scheduler, "step")):
             raise AttentionConfigError(
-                f"skip_softmax.disabled_until_timestep needs the pipeline's timesteps, but pipe.scheduler is "
+                "skip_softmax.disabled_until_timestep, quant.disabled_below_timestep or quant."
+                f"disabled_until_timestep needs the pipeline's timesteps, but pipe.scheduler is "
                 f"{type(scheduler).__name__}, which has no set_timesteps/step; give the pipeline a diffusers "
                 "scheduler or remove the gate")
         undo = [] if scheduler is None else self._report_from(scheduler)
@@ -162,9 +172,9 @@ class DenoisingClock:
         if current is None or t > current:
             self.start_run()
         elif t != current:
-            self.stats.close_step(self.step)
+            self._close_step()
             self.step += 1
-        self.planner.plan_step(t)
+        self.planner.plan_step(t, self.step)
 
     def timestep_hook(self, module: torch.nn.Module, reader: TimestepReader) -> None:
         """A forward pre-hook on ``module`` that feeds its timestep argument to :meth:`observe`."""

@@ -84,7 +84,8 @@ class TrtllmAttnProcessor:
                     f"and the transformer's calibration, which {cls.__name__} alone does not see: install with "
                     "diffusers_trtllm.enable_trtllm_attention(pipe, config), or set skip_softmax.threshold only")
             calls[role] = AttentionCall.unplanned(CallSite("transformer", "*", role, traits.category), spec.backend,
-                                                  traits.causal, spec.quant if traits.quant_ok else None, skip)
+                                                  traits.causal, spec.quant if traits.quant_ok else None, skip,
+                                                  spec.accuracy)
         return calls
 
     def attend(self, role: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
