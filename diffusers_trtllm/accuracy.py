@@ -15,8 +15,9 @@ import torch
 
 from .backends.base import VarlenQKV
 
-#: float64 keys + values converted at once, per probed sequence: bounds the probe's memory at long sequences.
-PROBE_CHUNK_BYTES = 256 << 20
+#: float64 keys + values converted at once, per probed sequence: bounds the probe's memory at long sequences
+#: (Wan 2.2 at 720p: 6 of 40 heads at a time).
+PROBE_CHUNK_BYTES = 1 << 30
 
 
 def probe_row_indices(total: int, rows: int) -> list[int]:

@@ -41,7 +41,8 @@ def test_dicts_and_specs_are_taken_alike_and_unknown_keys_name_the_valid_ones():
             "['disabled_until_timestep', 'target_sparsity', 'threshold']")):
         SkipSoftmaxSpec.from_dict({"treshold": 0.1})
     with pytest.raises(AttentionConfigError, match=re.escape(
-            "quant: unknown key(s) ['dtype']; valid keys are ['dtype_qk', 'k_block_size', 'q_block_size']")):
+            "quant: unknown key(s) ['dtype']; valid keys are ['disabled_below_timestep', 'disabled_until_timestep', "
+            "'dtype_qk', 'k_block_size', 'q_block_size']")):
         AttnQuantSpec.from_dict({"dtype": "int8"})
 
 
