@@ -35,7 +35,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -157,10 +156,8 @@ def compiled_blocks(model: torch.nn.Module, blocks_attr: str, enabled: bool):
 
 def time_config(model, run: SpeedRun, inputs: dict, bench: BenchConfig, repeats: int, device,
                 compile_blocks: bool = False) -> Row:
-    pipe = SimpleNamespace(transformer=model, scheduler=SimpleNamespace(config=SimpleNamespace(
-        num_train_timesteps=1000)))
     # no statistics: counting skipped tiles is extra work that the speed of a step should not include
-    installed = (enable_trtllm_attention(pipe, bench.config, collect_stats=False) if bench.config is not None
+    installed = (enable_trtllm_attention(model, bench.config, collect_stats=False) if bench.config is not None
                  else contextlib.nullcontext())
     row = Row("", bench.label)
     with installed, bench.context(), torch.no_grad(), compiled_blocks(model, run.blocks_attr, compile_blocks):
