@@ -17,13 +17,16 @@ case "$module" in
          tests="tests/test_reference.py tests/test_semantics_edges.py tests/test_quant_edges.py" ;;
   plan) sources="diffusers_trtllm/plan.py"
         tests="tests/test_semantics_edges.py tests/test_install_lifecycle.py tests/test_state_ownership.py
-               tests/test_dispatch_backend.py" ;;
+               tests/test_dispatch_backend.py tests/test_accuracy_probe.py tests/test_plan_edges.py" ;;
   stats) sources="diffusers_trtllm/stats.py"
-         tests="tests/test_semantics_edges.py tests/test_state_ownership.py tests/test_install_lifecycle.py" ;;
+         tests="tests/test_semantics_edges.py tests/test_state_ownership.py tests/test_install_lifecycle.py
+                tests/test_accuracy_probe.py" ;;
   steps) sources="diffusers_trtllm/steps.py"
-         tests="tests/test_state_ownership.py tests/test_install_lifecycle.py tests/test_semantics_edges.py" ;;
+         tests="tests/test_state_ownership.py tests/test_install_lifecycle.py tests/test_semantics_edges.py
+                tests/test_accuracy_probe.py" ;;
   ops) sources="diffusers_trtllm/ops.py"
-       tests="tests/test_dispatch_backend.py tests/test_semantics_edges.py tests/test_host_sync.py" ;;
+       tests="tests/test_dispatch_backend.py tests/test_semantics_edges.py tests/test_host_sync.py
+              tests/test_accuracy_probe.py" ;;
   reference) sources="diffusers_trtllm/backends/reference.py"
              tests="tests/test_reference.py tests/test_semantics_edges.py" ;;
   calibration) sources="diffusers_trtllm/calibration/*"

@@ -1,0 +1,65 @@
+"""The call planner at its edges (diffusers_trtllm.plan): an ``auto`` dispatcher call chooses its backend at the
+call, a warning keyed once is given once even when Python's own filter would repeat it, and the mode names the
+statistics and logs report."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
+
+from diffusers_trtllm import BACKEND_NAME, enable_trtllm_attention, set_dispatch_config
+from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
+from diffusers_trtllm.config import AttnQuantSpec
+from diffusers_trtllm.plan import AttentionCall, CallSite
+
+from helpers import cosmos3_transformer_call
+
+
+@pytest.fixture
+def dispatch_config():
+    yield set_dispatch_config
+    set_dispatch_config(None)
+
+
+def test_an_auto_dispatch_call_chooses_its_backend_at_the_call(dispatch_config):
+    """``auto`` is no kernel route: the dispatcher's call, planned at no install, picks one when it runs."""
+    dispatch_config({"default": {"backend": "auto"}})
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    with attention_backend(BACKEND_NAME):
+        out = dispatch_attention_fn(q, k, v)
+    expected = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_a_warning_per_role_is_given_once_over_all_layers_of_the_role(monkeypatch):
+    """Every causal layer of Cosmos 3 falls back the same way; one warning says so, even with every warning shown."""
+    monkeypatch.setenv(TRTLLM_ON_REFERENCE_ENV, "1")
+    model, _ = cosmos3_transformer_call()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = enable_trtllm_attention(model, {"default": {"backend": "TRTLLM_ATTN"}})
+    causal_sites = [site for site in handle.planner.calls if site.role == "und_causal"]
+    handle.restore()
+    assert len(causal_sites) > 1
+    assert len([w for w in caught if "'und_causal' attention is causal" in str(w.message)]) == 1
+
+
+SITE = CallSite("transformer", "blocks.0.attn1", "self", "self")
+INT8 = AttnQuantSpec("int8")
+
+
+@pytest.mark.parametrize("quant,skipping,quantized,mode", [
+    (INT8, True, None, "sage-int8+skip"), (INT8, False, None, "sage-int8"), (INT8, True, False, "skip"),
+    (INT8, False, False, "dense"), (INT8, False, True, "sage-int8"), (None, False, True, "dense"),
+    (None, True, None, "skip"), (None, False, None, "dense")])
+def test_the_mode_names_what_runs(quant, skipping, quantized, mode):
+    """``quantized`` None: SAGE runs whenever the call has it; False: the step schedule holds it off."""
+    call = AttentionCall(SITE, "TORCH_REFERENCE", False, quant, None)
+    assert call.mode(skipping, quantized) == mode
+
+
+def test_an_unplanned_call_keeps_its_site_and_is_checked_at_the_call():
+    call = AttentionCall.unplanned(SITE, "TORCH_REFERENCE", False, None, None)
+    assert call.site is SITE and call.planned is False
