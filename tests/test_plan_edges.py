@@ -14,7 +14,7 @@ from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.plan import AttentionCall, CallSite
 
-from helpers import cosmos3_transformer_call
+from helpers import cosmos3_transformer_call, tiny_wan
 
 
 @pytest.fixture
@@ -63,3 +63,23 @@ def test_the_mode_names_what_runs(quant, skipping, quantized, mode):
 def test_an_unplanned_call_keeps_its_site_and_is_checked_at_the_call():
     call = AttentionCall.unplanned(SITE, "TORCH_REFERENCE", False, None, None)
     assert call.site is SITE and call.planned is False
+
+
+def test_the_triton_rule_note_names_the_roles_that_skip_with_sage_wherever_they_come():
+    """The first layer (self-attention) runs dense; the cross-attention layers after it run SAGE + Skip-Softmax."""
+    sage_skip = {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.1}, "quant": {"dtype_qk": "int8"}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_trtllm_attention(tiny_wan(), {"default": sage_skip,
+                                             "per_role": {"self_attn": {"backend": "TORCH_REFERENCE"}}}).restore()
+    notes = [str(w.message) for w in caught if "the Triton kernel's rule" in str(w.message)]
+    assert len(notes) == 1 and "['cross_attn'] attention" in notes[0], notes
+
+
+def test_the_skip_value_reaches_the_op_at_full_precision():
+    """λ = 0.1 is no float32 number: the per-step value the op reads keeps it in float64."""
+    handle = enable_trtllm_attention(tiny_wan(), {"default": {"backend": "TORCH_REFERENCE",
+                                                              "skip_softmax": {"threshold": 0.1}}})
+    values = {call.skip_value.item() for call in handle.planner.calls.values()}
+    handle.restore()
+    assert values == {0.1}
