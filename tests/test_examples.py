@@ -276,3 +276,10 @@ def test_transformer_step_benchmark_records_a_failing_configuration(tmp_path, mo
     assert rows["attention removed"]["error"] == "RuntimeError: kernel exploded"
     assert rows["TORCH_SDPA"]["ms"] > 0
     assert "RuntimeError: kernel exploded" in result["markdown"]
+
+
+def test_host_cost_benchmark_runs_and_compares_with_diffusers(tmp_path):
+    rows = load_script("benchmarks/host_cost.py").main(["--calls", "5", "--repeats", "1", "--json",
+                                                         str(tmp_path / "host.json")])
+    assert {r["case"].split(":")[0] for r in rows} == {"module", "function"}
+    assert all(r["us_per_call"] > 0 for r in rows) and rows[0]["vs_diffusers"] == 1.0
