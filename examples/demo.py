@@ -8,6 +8,9 @@ On a GPU with a real model (same configurations, TRT-LLM kernels)::
 
     python examples/demo.py --model Wan-AI/Wan2.2-T2V-A14B-Diffusers --height 720 --width 1280 --frames 81 \\
         --steps 40 --backend TRTLLM_ATTN --output-dir outputs
+
+``--probe-rows N`` switches the accuracy probe on in every configuration: a column with the relative error of
+what ran against exact attention on N query rows per call, at every step.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
+from diffusers_trtllm.config import AccuracySpec
 from diffusers_trtllm.backends.trtllm import device_unavailable_reason
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN
 from diffusers_trtllm.kernels.triton_sage import SKIP_PAYS_FROM
@@ -64,6 +68,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser.add_argument("--gate", type=float, default=0.9, help="disabled_until_timestep D")
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--output-dir", type=Path, default=None, help="write one MP4 per configuration here")
+    parser.add_argument("--probe-rows", type=positive_int, default=None,
+                        help="accuracy probe: query rows per attention call checked against exact attention")
     return parser.parse_args(argv), parser
 
 
@@ -97,7 +103,8 @@ def main(argv=None) -> list[dict]:
         with user_errors(parser):
             with enable_trtllm_attention(pipe, open_gate(config), collect_stats=False):
                 generate_frames(pipe, entry, args.prompt, shape, args.seed, steps=WARMUP_STEPS)  # VAE decode too
-            with enable_trtllm_attention(pipe, config) as handle:
+            probed = config.with_accuracy(AccuracySpec(probe_rows=args.probe_rows)) if args.probe_rows else config
+            with enable_trtllm_attention(pipe, probed) as handle:
                 start = time.perf_counter()
                 video = generate_frames(pipe, entry, args.prompt, shape, args.seed)
                 seconds = time.perf_counter() - start
@@ -108,7 +115,7 @@ def main(argv=None) -> list[dict]:
         backends = sorted({mode.split(":")[0] for modes in summary["modes"].values() for mode in modes})
         rows.append(dict(config=label, backends=",".join(backends), seconds=seconds, rel_diff=rel,
                          skips=config.default.skip_softmax is not None, sparsity=summary["sparsity"],
-                         per_step=summary["per_step"]))
+                         per_step=summary["per_step"], error=summary["error"]))
         if args.output_dir is not None:
             args.output_dir.mkdir(parents=True, exist_ok=True)
             name = "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in label).strip("_")
@@ -151,15 +158,16 @@ def format_table(rows: list[dict]) -> str:
     def fmt(x):
         return "n/a" if x is None else f"{x:.3f}"
 
-    lines = ["| config | ran on | time (s) | rel. diff to dense | sparsity | sparsity per step |",
-             "|---|---|---:|---:|---:|---|"]
+    probed = any(r.get("error") is not None for r in rows)
+    lines = ["| config | ran on | time (s) | rel. diff to dense | sparsity | sparsity per step |"
+             + (" probed error |" if probed else ""), "|---|---|---:|---:|---:|---|" + ("---:|" if probed else "")]
     for r in rows:
         if r["skips"]:
             overall, steps = fmt(r["sparsity"]), " ".join(fmt(v) for _, v in sorted(r["per_step"].items()))
         else:
             overall, steps = "-", "-"
         lines.append(f"| {r['config']} | {r['backends']} | {r['seconds']:.2f} | {r['rel_diff']:.2e} | "
-                     f"{overall} | {steps} |")
+                     f"{overall} | {steps} |" + (f" {'n/a' if r['error'] is None else format(r['error'], '.2e')} |" if probed else ""))
     return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from diffusers_trtllm import enable_trtllm_attention
-from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AttnQuantSpec, canonical_backend
+from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttnQuantSpec, canonical_backend
 from evaluation import (MODELS, PLAN_GATES, EvalConfig, LpipsScorer, ModelEntry, ModelLoadError, RunRecord,
                         TransformerTimer, VideoShape, backend_label, describe_attention_plan, export_frames,
                         find_model, generate_frames, load_pipeline, plan_tables, plot_quality_vs_speedup,
@@ -78,6 +78,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
                         help="untimed denoising steps before each timed run (kernel builds, first-call costs)")
     parser.add_argument("--output-dir", type=Path, default=Path("evaluation_out"))
     parser.add_argument("--save-videos", action="store_true", help="write one MP4 per configuration")
+    parser.add_argument("--probe-rows", type=positive_int, default=None,
+                        help="accuracy probe: query rows per attention call checked against exact attention; its "
+                             "per-layer table joins each configuration's 'what ran'")
     args = parser.parse_args(argv)
     if args.tiny and args.source is not None:
         parser.error(f"--tiny builds a random pipeline and --source {args.source} loads one: give one of them")
@@ -124,7 +127,9 @@ def run_config(pipe, entry: ModelEntry, config: EvalConfig, shape: VideoShape, a
         with peer:
             with enable_trtllm_attention(pipe, config.warmup, collect_stats=False):
                 generate_frames(pipe, entry, args.prompt, shape, args.seed, steps=args.warmup_steps)  # + decode
-            with enable_trtllm_attention(pipe, config.config) as handle, TransformerTimer.for_pipeline(pipe) as timer:
+            probed = (config.config.with_accuracy(AccuracySpec(probe_rows=args.probe_rows)) if args.probe_rows
+                      else config.config)
+            with enable_trtllm_attention(pipe, probed) as handle, TransformerTimer.for_pipeline(pipe) as timer:
                 synchronize(args.device)
                 start = time.perf_counter()
                 frames = generate_frames(pipe, entry, args.prompt, shape, args.seed)
@@ -139,7 +144,11 @@ def run_config(pipe, entry: ModelEntry, config: EvalConfig, shape: VideoShape, a
     record.sparsity, record.per_step = summary["sparsity"], summary["per_step"]
     backends = sorted({mode.split(":")[0] for modes in summary["modes"].values() for mode in modes})
     record.ran_on = "sageattention (via TORCH_SDPA calls)" if config.peer else ", ".join(backends)
-    return record, frames, sparsity_grid(handle.stats), describe_attention_plan(handle.stats)
+    plan = describe_attention_plan(handle.stats)
+    if summary["error"] is not None:
+        plan += ("\n\naccuracy probe (relative error against exact float64 attention on the probed rows):\n\n"
+                 + handle.stats.error_table())
+    return record, frames, sparsity_grid(handle.stats), plan
 
 
 def main(argv=None) -> dict:

@@ -13,6 +13,9 @@ line prints this command with a target inside the sparsity it observed (0.3 for 
     python examples/generate.py --model calibrated_tiny --diffusion-attention-backend TORCH_REFERENCE \\
         --trtllm-gen-target-sparsity 0.3
 
+The accuracy probe (this package's extension of the config: a spec's ``"accuracy": {"probe_rows": 16}``, with
+``"max_error"`` for the guard) adds a per-layer table of the relative error of what ran against exact attention.
+
 A real model on a GPU: FP8 SAGE, dense while t > 0.86 and Skip-Softmax by λ after, cross-attention on cuDNN::
 
     DIFFUSION_ATTENTION_CONFIG='{"default": {"backend": "TRTLLM_ATTN", "skip_softmax": {"threshold": 0.3}},
@@ -133,6 +136,9 @@ def main(argv=None) -> dict:
         per_step = ", ".join(f"{step}: {format_number(value, 3)}" for step, value in summary["per_step"].items())
         print(f"\nachieved sparsity per step, all layers (n/a: the backend does not count): {per_step}")
         print(f"overall sparsity: {format_number(summary['sparsity'], 3)}")
+    if summary["error"] is not None:
+        print("\naccuracy probe (relative error of what ran against exact float64 attention on the probed rows, "
+              f"over its probed steps; all layers: {summary['error']:.2e}):\n" + handle.stats.error_table())
     print(f"run {seconds:.2f} s, of which transformer {timer.total:.2f} s in {len(timer.seconds())} calls"
           + ("" if device.type == "cuda" else " (CPU times say nothing about GPU speed)"))
     args.output.parent.mkdir(parents=True, exist_ok=True)

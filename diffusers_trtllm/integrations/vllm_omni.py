@@ -19,6 +19,11 @@ package's entry there. It wraps two vLLM-Omni methods, each only where ``TRTLLM_
   calibration from an empty transformer config and so refuses every ``target_sparsity``; this package reads the
   checkpoint's calibration itself when it installs, and refuses ``target_sparsity`` without one there.
 
+This package's extensions of the config (a spec's ``accuracy``, the SAGE schedule ``quant.disabled_until_timestep``
+/ ``disabled_below_timestep``) do not reach it here: vLLM-Omni's own parser of ``diffusion_attention_config``
+refuses them as unknown keys before any plugin runs; they work with ``enable_trtllm_attention`` and this
+package's ``config_from_args``.
+
 Both wrapped methods were read in vllm-omni 0.30.0; on another version selecting ``TRTLLM_ATTN`` is refused.
 The per-pipeline hooks of ``PIPELINE_UTILS_REGISTRY`` cannot do it instead: they are keyed by pipeline class, and
 ``_set_attention_backend`` runs after ``apply_post_load_updates`` and raises for ``TRTLLM_ATTN`` whatever a hook did.
