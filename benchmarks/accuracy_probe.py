@@ -89,7 +89,8 @@ def cost_rows(model, run, inputs, config, args) -> dict:
             dynamo_utils.counters.clear()
             with first_block_only(model, run.blocks_attr):
                 model(**inputs)  # compiles the one graph every block shares
-            steps = {"probe off": 0} if accuracy is None else {"probe on, step not probed": 1, "probe on, probed step": 0}
+            steps = ({"probe off": 0} if accuracy is None else
+                     {"probe on, step not probed": 1, "probe on, probed step": 0})
             for name, step in steps.items():
                 handle.planner.plan_step(None, step)
                 model(**inputs)  # untimed: first-use costs of every block's shapes

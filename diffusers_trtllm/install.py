@@ -197,8 +197,8 @@ def _install(handle: TrtllmAttentionHandle, component: str, transformer, cls: ty
 
 def _gated(planner: CallPlanner) -> bool:
     """Whether some site's settings follow the timestep (Skip-Softmax's gate, the SAGE step schedule)."""
-    return any((c.skip is not None and c.skip.disabled_until_timestep > 0) or (c.quant is not None and c.quant.scheduled)
-               for c in planner.calls.values())
+    return any((c.skip is not None and c.skip.disabled_until_timestep > 0) or
+               (c.quant is not None and c.quant.scheduled) for c in planner.calls.values())
 
 
 def read_timestep_arguments(bound: dict, names: tuple[str, ...]) -> torch.Tensor | None:

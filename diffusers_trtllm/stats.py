@@ -4,7 +4,8 @@ accuracy probe is on, the relative error of what ran against exact attention on 
 Nothing is recorded on the per-call path: the attention op adds its tile counts (and the probe's error sums) to
 per-site counters on the device, and at each step boundary (outside any traced region)
 :meth:`AttentionStats.close_step` keeps the step's counters as stacked device tensors and zeroes them. They reach
-the host in one copy per kind when a summary is asked for (and the guard reads a probed step's errors once). Statistics hold one run (a pipeline call): a new run zeroes the counters and drops the last run's records, so
+the host in one copy per kind when a summary is asked for (and the guard reads a probed step's errors once).
+Statistics hold one run (a pipeline call): a new run zeroes the counters and drops the last run's records, so
 memory stays flat over many calls.
 """
 

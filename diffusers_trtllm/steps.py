@@ -12,8 +12,9 @@ At the end of a step probed by a site with an accuracy guard, the clock reads th
 host copy, once per probed step) and hands them to the planner's guard before planning the next step.
 
 Outside a pipeline call (a bare transformer, or a pipeline's transformer called directly), and only when a
-timestep gate (Skip-Softmax's or the SAGE step schedule) is configured, a forward pre-hook reads the transformer's timestep argument (one host read per
-transformer call): a new timestep is a new step, a rising one a new run.
+timestep gate (Skip-Softmax's or the SAGE step schedule) is configured, a forward pre-hook reads the
+transformer's timestep argument (one host read per transformer call): a new timestep is a new step, a rising one
+a new run.
 """
 
 from __future__ import annotations

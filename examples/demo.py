@@ -166,8 +166,9 @@ def format_table(rows: list[dict]) -> str:
             overall, steps = fmt(r["sparsity"]), " ".join(fmt(v) for _, v in sorted(r["per_step"].items()))
         else:
             overall, steps = "-", "-"
+        error = (" n/a |" if r["error"] is None else f" {r['error']:.2e} |") if probed else ""
         lines.append(f"| {r['config']} | {r['backends']} | {r['seconds']:.2f} | {r['rel_diff']:.2e} | "
-                     f"{overall} | {steps} |" + (f" {'n/a' if r['error'] is None else format(r['error'], '.2e')} |" if probed else ""))
+                     f"{overall} | {steps} |{error}")
     return "\n".join(lines)
 
 

@@ -190,7 +190,8 @@ def test_the_sage_step_schedule_follows_the_scheduler():
     probe = copy.deepcopy(pipe.scheduler)
     probe.set_timesteps(8)
     train = probe.config.num_train_timesteps
-    expected = {i: "sage-int8" if below <= t / train <= until else "dense" for i, t in enumerate(probe.timesteps.tolist())}
+    expected = {i: "sage-int8" if below <= t / train <= until else "dense"
+                for i, t in enumerate(probe.timesteps.tolist())}
     assert set(expected.values()) == {"dense", "sage-int8"} and expected[0] == expected[7] == "dense"
     with enable_trtllm_attention(pipe, config) as handle:
         pipe("a fox", height=32, width=32, num_frames=1, num_inference_steps=8, output_type="latent",
