@@ -255,3 +255,33 @@ def test_the_reference_seam_is_decided_at_install(monkeypatch):
         with torch.no_grad():
             transformer(**kwargs)  # TRTLLM_ATTN's kernels would refuse a CPU
         assert {rec.backend for rec in handle.stats.records.values()} == {"TRTLLM_ATTN", "TORCH_SDPA"}
+
+
+def test_a_summary_reads_the_counters_with_one_host_copy(monkeypatch):
+    """Every step's counters stay on the device until a summary is asked for; then one ``.cpu()`` brings them all
+    (on a GPU the only device-to-host copy statistics make)."""
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    pipe = LoopPipeline(tiny_wan(), FlowMatchEulerDiscreteScheduler(shift=3.0))
+    with enable_trtllm_attention(pipe, SAGE) as handle, torch.no_grad():
+        pipe(wan_inputs(batch=1, frames=1, height=8, width=8), 4)
+        monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **kw: copies.append(self.shape) or
+                            real_cpu(self, *a, **kw))
+        summary = handle.stats.summary()
+        handle.stats.table()
+    assert sorted(summary["per_step"]) == [0, 1, 2, 3]
+    assert copies == [torch.Size([4, len(handle.planner.calls), 4])]  # steps × sites × counters, once
+
+
+def test_auto_that_drops_a_feature_warns_once_whatever_the_shapes():
+    """The unbound processor chooses per kind of call; the warning that auto dropped Skip-Softmax is said once,
+    not once per batch shape."""
+    from diffusers_trtllm import WanTrtllmAttnProcessor
+
+    model = tiny_wan()
+    model.set_attn_processor(WanTrtllmAttnProcessor({"default": {"skip_softmax": {"threshold": 0.1}}}))
+    with pytest.warns(UserWarning) as record, torch.no_grad():
+        for size in (8, 12, 16):
+            model(**wan_inputs(batch=1, frames=1, height=size, width=size))
+    dropped = [w for w in record if "Skip-Softmax dropped" in str(w.message)]
+    assert len(dropped) == 1, [str(w.message) for w in record]
