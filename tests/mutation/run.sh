@@ -19,8 +19,8 @@ case "$module" in
         tests="tests/test_semantics_edges.py tests/test_install_lifecycle.py tests/test_state_ownership.py
                tests/test_dispatch_backend.py tests/test_accuracy_probe.py tests/test_plan_edges.py" ;;
   stats) sources="diffusers_trtllm/stats.py"
-         tests="tests/test_semantics_edges.py tests/test_state_ownership.py tests/test_install_lifecycle.py
-                tests/test_accuracy_probe.py" ;;
+         tests="tests/test_stats_edges.py tests/test_semantics_edges.py tests/test_state_ownership.py
+                tests/test_install_lifecycle.py tests/test_accuracy_probe.py" ;;
   steps) sources="diffusers_trtllm/steps.py"
          tests="tests/test_state_ownership.py tests/test_install_lifecycle.py tests/test_semantics_edges.py
                 tests/test_accuracy_probe.py" ;;

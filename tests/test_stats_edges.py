@@ -1,0 +1,128 @@
+"""Statistics (diffusers_trtllm.stats) at their edges, on planned calls whose counters are filled by hand: what a
+step keeps, counted and uncounted backends in one layer, runs that start from zero, the probe's relative error
+(exact zero outputs included) and the tables, without running a model."""
+
+import math
+
+import pytest
+import torch
+
+from diffusers_trtllm.config import AccuracySpec, AttnQuantSpec, SkipSoftmaxSpec
+from diffusers_trtllm.plan import AttentionCall, CallSite
+from diffusers_trtllm.stats import AttentionStats, CallRecord, relative_error
+
+
+def planned_call(layer: str, *, skip: float | None = None, quant: AttnQuantSpec | None = None,
+                 accuracy: AccuracySpec | None = None, backend: str = "TORCH_REFERENCE") -> AttentionCall:
+    skip_spec = None if skip is None else SkipSoftmaxSpec(threshold=skip)
+    call = AttentionCall(CallSite("transformer", layer, "self", "self"), backend, False, quant, skip_spec,
+                         accuracy=accuracy, counting=True)
+    call.plan(None, 0)
+    return call
+
+
+def add(call: AttentionCall, skipped: int, total: int, counted: bool = True, times: int = 1) -> None:
+    for _ in range(times):  # what the op adds per call: skipped tiles, tiles, one call, whether it counted
+        call.counts += torch.tensor([skipped, total, 1, int(counted)])
+
+
+@pytest.mark.parametrize("error_sq,exact_sq,error", [(0.0, 0.0, 0.0), (1.0, 0.0, math.inf), (1.0, 4.0, 0.5)])
+def test_relative_error_of_an_exact_zero_output(error_sq, exact_sq, error):
+    assert relative_error(error_sq, exact_sq) == error
+
+
+def test_a_step_keeps_every_call_of_a_layer_and_zeroes_the_counters():
+    skipping, dense, idle = planned_call("a", skip=0.5), planned_call("b"), planned_call("c")
+    stats = AttentionStats([skipping, dense, idle, AttentionCall(CallSite("t", "d", "self", "self"), "X", False,
+                                                                 None, None)])  # not counting: no record
+    stats.start_run()
+    add(skipping, 1, 4, times=2)
+    add(dense, 0, 4)
+    stats.close_step(0)
+    assert [c.tolist() for c in (skipping.counts, dense.counts)] == [[0, 0, 0, 0]] * 2
+    add(skipping, 4, 4)
+    stats.close_step(1)
+    assert stats.records == {
+        (0, "transformer.a", "TORCH_REFERENCE", "skip"): CallRecord("TORCH_REFERENCE", "skip", 2, 2, 8),
+        (0, "transformer.b", "TORCH_REFERENCE", "dense"): CallRecord("TORCH_REFERENCE", "dense", 1, 0, 4),
+        (1, "transformer.a", "TORCH_REFERENCE", "skip"): CallRecord("TORCH_REFERENCE", "skip", 1, 4, 4)}
+    assert stats.per_step() == {0: 2 / 12, 1: 1.0}
+    assert stats.per_layer() == {"transformer.a": 6 / 12, "transformer.b": 0.0}
+    assert stats.modes() == {0: {"TORCH_REFERENCE:skip": 1, "TORCH_REFERENCE:dense": 1},
+                             1: {"TORCH_REFERENCE:skip": 1}}
+    assert stats.summary()["sparsity"] == 6 / 16
+    assert stats.table() == "\n".join([
+        "| step | modes | sparsity | probed error | worst layer (error) |", "|---:|---|---:|---:|---|",
+        "| 0 | 1× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:skip | 0.167 | - | - |",
+        "| 1 | 1× TORCH_REFERENCE:skip | 1.000 | - | - |"])
+    stats.start_run()
+    assert stats.records == {} and stats.summary()["sparsity"] is None
+    add(skipping, 1, 4)
+    stats.start_run()  # counts of calls between runs belong to no run
+    assert skipping.counts.tolist() == [0, 0, 0, 0]
+
+
+def test_a_backend_that_does_not_count_gives_no_sparsity_but_leaves_the_counted_ones():
+    counted, uncounted = planned_call("a", skip=0.5), planned_call("b", skip=0.5, backend="OTHER")
+    mixed_counted, mixed_uncounted = planned_call("m", skip=0.5), planned_call("m", skip=0.5, backend="OTHER")
+    stats = AttentionStats([counted, uncounted, mixed_counted, mixed_uncounted])
+    add(counted, 1, 4)
+    add(uncounted, 0, 0, counted=False)
+    add(mixed_counted, 3, 4)
+    add(mixed_uncounted, 0, 0, counted=False)
+    stats.close_step(0)
+    add(uncounted, 0, 0, counted=False)
+    add(uncounted, 2, 4)  # one call of the step counted, one did not: the step's record is not counted
+    stats.close_step(1)
+    records = stats.records
+    assert records[(0, "transformer.b", "OTHER", "skip")].sparsity is None
+    assert records[(1, "transformer.b", "OTHER", "skip")].counted is False
+    assert stats.per_layer() == {"transformer.a": 0.25, "transformer.b": None, "transformer.m": 0.75}
+    assert stats.per_step() == {0: 0.5, 1: None}
+    assert stats.summary()["sparsity"] == 4 / 8
+    assert CallRecord("X", "skip", total=0).sparsity == 0.0
+
+
+def test_the_probes_error_is_pooled_over_probed_steps_and_layers_only():
+    probe = AccuracySpec(probe_rows=4, probe_every=2)
+    a, b = planned_call("a", quant=AttnQuantSpec("int8"), accuracy=probe), planned_call("b", accuracy=probe)
+    unprobed = planned_call("c")
+    stats = AttentionStats([a, unprobed, b])
+    for step, (a_sums, b_sums) in enumerate([((1.0, 4.0), (9.0, 4.0)), ((5.0, 5.0), (5.0, 5.0)),
+                                              ((0.0, 16.0), (0.0, 0.0))]):
+        for call in (a, b, unprobed):
+            call.plan(None, step)
+            add(call, 0, 4)
+        a.error_sums += torch.tensor(a_sums, dtype=torch.float64)
+        b.error_sums += torch.tensor(b_sums, dtype=torch.float64)
+        stats.close_step(step)
+        if step == 0:
+            assert stats.step_errors() == {a: (1.0, 4.0), b: (9.0, 4.0)}
+    assert [a.error_sums.tolist(), b.error_sums.tolist()] == [[0.0, 0.0]] * 2
+    records = stats.records
+    assert records[(1, "transformer.a", "TORCH_REFERENCE", "sage-int8")].error is None  # step 1 is not probed
+    assert records[(0, "transformer.c", "TORCH_REFERENCE", "dense")].error is None
+    assert stats.errors() == {(0, "transformer.a"): 0.5, (0, "transformer.b"): 1.5, (2, "transformer.a"): 0.0,
+                              (2, "transformer.b"): 0.0}
+    assert stats.error_per_step() == {0: math.sqrt(10 / 8), 2: 0.0}
+    assert stats.error_per_layer() == {"transformer.a": math.sqrt(1 / 20), "transformer.b": 1.5}
+    assert stats.summary()["error"] == math.sqrt(10 / 24)
+    assert stats.table().splitlines()[2:] == [
+        f"| 0 | 2× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:sage-int8 | 0.000 | {math.sqrt(10 / 8):.2e} | "
+        "transformer.b (1.50e+00) |",
+        "| 1 | 2× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:sage-int8 | 0.000 | - | - |",
+        "| 2 | 2× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:sage-int8 | 0.000 | 0.00e+00 | "
+        "transformer.a (0.00e+00) |"]
+    assert stats.error_table() == "\n".join([
+        "| layer | ran (probed steps) | probed error | worst step (error) | sparsity |", "|---|---|---:|---:|---:|",
+        f"| transformer.a | TORCH_REFERENCE:sage-int8 | {math.sqrt(1 / 20):.2e} | 0 (5.00e-01) | 0.000 |",
+        "| transformer.b | TORCH_REFERENCE:dense | 1.50e+00 | 0 (1.50e+00) | 0.000 |"])
+
+
+def test_statistics_without_a_probed_call_have_no_error():
+    call = planned_call("a")
+    stats = AttentionStats([call])
+    add(call, 0, 4)
+    stats.close_step(0)
+    assert stats.step_errors() == {} and stats.summary()["error"] is None and stats.error_table() == ""
+    assert AttentionStats([]).summary()["sparsity"] is None
