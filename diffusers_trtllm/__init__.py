@@ -2,10 +2,11 @@
 
 Layout: ``config`` (what the user asked) -> ``plan`` (what runs for each call site and step) -> ``ops`` (one
 opaque op for ``torch.compile``) -> ``backends`` -> ``kernels`` (plain-tensor kernel functions, importing nothing
-above them). ``dispatch`` is the ``"trtllm"`` backend of diffusers' attention dispatcher; ``processors`` subclass
-diffusers' processors and route their attention there; ``install`` plans and installs them on a pipeline;
-``steps`` follows the scheduler; ``stats`` keeps what ran; ``calibration`` reads, writes and fits Skip-Softmax
-curves; ``skip_calibration`` (:func:`calibrate`) runs a pipeline to make them.
+above them). ``processors`` subclass diffusers' processors and hand each attention call, with its role's planned
+call, to ``dispatch`` (which is also the ``"trtllm"`` backend of diffusers' attention dispatcher); ``install``
+plans and installs them on a pipeline; ``steps`` is a handle's denoising clock, following its pipeline's calls;
+``stats`` keeps what ran; ``calibration`` reads, writes and fits Skip-Softmax curves; ``skip_calibration``
+(:func:`calibrate`) runs a pipeline to make them.
 """
 
 from .calibration.curve import SkipCalibration
