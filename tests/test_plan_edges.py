@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
 
-from diffusers_trtllm import BACKEND_NAME, enable_trtllm_attention, set_dispatch_config
+from diffusers_trtllm import BACKEND_NAME, AttentionConfigError, enable_trtllm_attention, set_dispatch_config
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
-from diffusers_trtllm.config import AttnQuantSpec
-from diffusers_trtllm.plan import AttentionCall, CallSite
+from diffusers_trtllm.config import AccuracySpec, AttentionConfig, AttnQuantSpec
+from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite
 
 from helpers import cosmos3_transformer_call, tiny_wan
 
@@ -83,3 +83,41 @@ def test_the_skip_value_reaches_the_op_at_full_precision():
     values = {call.skip_value.item() for call in handle.planner.calls.values()}
     handle.restore()
     assert values == {0.1}
+
+
+NEEDS_A_PIPELINE = ("attention: {what} needs the pipeline's steps and statistics, which a processor or the 'trtllm' "
+                    "dispatcher backend alone does not see: install with "
+                    "diffusers_trtllm.enable_trtllm_attention(pipe, config), or remove it")
+SCHEDULE = "quant.disabled_until_timestep / disabled_below_timestep (the SAGE step schedule)"
+
+
+@pytest.mark.parametrize("spec,what", [
+    ({"accuracy": {}}, "accuracy (the probe and guard)"),
+    ({"quant": {"dtype_qk": "int8", "disabled_until_timestep": 0.5}}, SCHEDULE),
+    ({"accuracy": {}, "quant": {"dtype_qk": "int8", "disabled_until_timestep": 0.5}}, "accuracy (the probe and guard)"),
+], ids=["accuracy", "schedule", "both"])
+def test_the_dispatcher_refuses_what_needs_a_pipeline_naming_it(spec, what, dispatch_config):
+    with pytest.raises(AttentionConfigError) as refused:
+        dispatch_config({"default": {"backend": "TORCH_REFERENCE", **spec}})
+    assert str(refused.value) == NEEDS_A_PIPELINE.format(what=what)
+
+
+def probed_call(layer: str, max_error: float | None) -> AttentionCall:
+    call = AttentionCall(CallSite("transformer", layer, "self", "self"), "TORCH_REFERENCE", False, INT8, None,
+                         accuracy=AccuracySpec(max_error=max_error), counting=True)
+    call.plan(None, 0)
+    return call
+
+
+@pytest.mark.parametrize("error_sq,exact_sq,trips", [(1.0, 4.0, False), (1.0, 3.99, True)],
+                         ids=["at-the-bound", "past-it"])
+def test_the_guard_trips_only_past_its_bound_for_every_layer_it_reads(error_sq, exact_sq, trips):
+    """The bound 0.5 itself is within it; a layer within it, or without a bound, leaves the next layer guarded."""
+    within, unbounded, guarded = probed_call("a", 0.5), probed_call("b", None), probed_call("c", 0.5)
+    planner = CallPlanner(AttentionConfig())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planner.guard(0, {within: (0.0, 1.0), unbounded: (4.0, 1.0), guarded: (error_sq, exact_sq)})
+    assert within.guard_dropped == set() and unbounded.guard_dropped == set()
+    assert guarded.guard_dropped == ({"sage"} if trips else set())
+    assert len(caught) == int(trips)
