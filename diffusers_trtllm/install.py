@@ -158,7 +158,8 @@ def _refuse_reinstall(component: str, transformer) -> None:
             "transformer.set_attn_processor"
         raise AttentionConfigError(
             f"{component} already runs diffusers_trtllm processors (installed by {who}); call restore() on that "
-            "handle (or set_default_attn_processor()) before installing again")
+            "handle (or put back the processors saved before: transformer.set_attn_processor(saved)) before "
+            "installing again")
 
 
 def _add_sites(planner: CallPlanner, component: str, transformer, cls: type[TrtllmAttnProcessor]) -> None:

@@ -62,8 +62,8 @@ class TrtllmAttnProcessor:
             return
         raise ValueError(
             f"{type(self).__name__} runs attention through the {BACKEND.value!r} backend; to use attention "
-            f"backend {backend!r}, restore the model's processors first (handle.restore() or "
-            "set_default_attn_processor())")
+            f"backend {backend!r}, restore the model's processors first (handle.restore(), or "
+            "transformer.set_attn_processor(saved) with the processors saved before)")
 
     @classmethod
     def _unbound_calls(cls, config: AttentionConfig) -> dict[str, AttentionCall]:
