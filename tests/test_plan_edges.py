@@ -12,6 +12,7 @@ from diffusers.models.attention_dispatch import attention_backend, dispatch_atte
 from diffusers_trtllm import BACKEND_NAME, AttentionConfigError, enable_trtllm_attention, set_dispatch_config
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.config import AccuracySpec, AttentionConfig, AttnQuantSpec
+from diffusers_trtllm.ops import PROBE
 from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite
 
 from helpers import cosmos3_transformer_call, tiny_wan
@@ -120,4 +121,30 @@ def test_the_guard_trips_only_past_its_bound_for_every_layer_it_reads(error_sq, 
         planner.guard(0, {within: (0.0, 1.0), unbounded: (4.0, 1.0), guarded: (error_sq, exact_sq)})
     assert within.guard_dropped == set() and unbounded.guard_dropped == set()
     assert guarded.guard_dropped == ({"sage"} if trips else set())
-    assert len(caught) == int(trips)
+    assert [str(w.message) for w in caught] == (
+        ["diffusers_trtllm: transformer.c (self attention, sage-int8): probed error 0.501 at step 0 exceeds the bound "
+         "accuracy.max_error=0.5; it runs without SAGE for the rest of this pipeline call"] if trips else [])
+
+
+def test_the_guard_reports_a_dense_layer_above_its_bound_once():
+    dense = AttentionCall(CallSite("transformer", "d", "self", "self"), "TORCH_REFERENCE", False, None, None,
+                          accuracy=AccuracySpec(max_error=0.5), counting=True)
+    dense.plan(None, 0)
+    planner = CallPlanner(AttentionConfig())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planner.guard(3, {dense: (4.0, 1.0)})
+        planner.guard(4, {dense: (4.0, 1.0)})
+    assert [str(w.message) for w in caught] == [
+        "diffusers_trtllm: transformer.d (self attention, dense): probed error 2 at step 3 exceeds the bound "
+        "accuracy.max_error=0.5; it ran dense, so there is nothing to drop (reported once per pipeline call)"]
+
+
+def test_only_a_probed_step_hands_the_op_probe_rows():
+    call = AttentionCall(SITE, "TORCH_REFERENCE", False, None, None,
+                         accuracy=AccuracySpec(probe_rows=4, probe_every=2), counting=True)
+    rows = []
+    for step in range(3):
+        call.plan(None, step)
+        rows.append((call.step_probed, call.settings[PROBE].item()))
+    assert rows == [(True, 4.0), (False, 0.0), (True, 4.0)]
