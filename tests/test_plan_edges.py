@@ -11,6 +11,7 @@ from diffusers.models.attention_dispatch import attention_backend, dispatch_atte
 
 from diffusers_trtllm import BACKEND_NAME, AttentionConfigError, enable_trtllm_attention, set_dispatch_config
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
+from diffusers_trtllm.calibration.curve import SkipCalibration
 from diffusers_trtllm.config import AccuracySpec, AttentionConfig, AttnQuantSpec
 from diffusers_trtllm.ops import PROBE
 from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite
@@ -148,3 +149,34 @@ def test_only_a_probed_step_hands_the_op_probe_rows():
         call.plan(None, step)
         rows.append((call.step_probed, call.settings[PROBE].item()))
     assert rows == [(True, 4.0), (False, 0.0), (True, 4.0)]
+
+
+def install_with_target(target: float, calibrations: dict):
+    config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"target_sparsity": target}}}
+    return enable_trtllm_attention(tiny_wan(), config, calibrations=calibrations)
+
+
+@pytest.mark.parametrize("target,extrapolated", [(0.2, False), (0.6, False), (0.19, True), (0.61, True)])
+def test_a_target_outside_the_calibrated_range_says_its_factor_is_extrapolated(target, extrapolated):
+    """The observed range's ends are inside it. Every layer not ignored by the curve skips with its factor."""
+    curve = SkipCalibration(2.0, 3.0, sparsity_range=(0.2, 0.6), ignore=("blocks.0.*",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = install_with_target(target, {"transformer": curve})
+    values = {site.layer: call.skip_value.item() for site, call in handle.planner.calls.items()}
+    handle.restore()
+    assert [str(w.message) for w in caught] == (
+        [f"skip_softmax.target_sparsity={target} lies outside the sparsity range [0.20, 0.60] observed when "
+         "'transformer' was calibrated; its factor is extrapolated"] if extrapolated else [])
+    assert values == {"blocks.0.attn1": 0.0, "blocks.0.attn2": 0.0, "blocks.1.attn1": curve.factor(target),
+                      "blocks.1.attn2": curve.factor(target)}
+
+
+def test_a_target_without_a_calibration_is_refused_naming_the_fixes():
+    with pytest.raises(AttentionConfigError) as refused:
+        install_with_target(0.5, {"transformer_2": SkipCalibration(2.0, 3.0)})
+    assert str(refused.value) == (
+        "skip_softmax.target_sparsity=0.5 applies to transformer.blocks.0.attn1 but 'transformer' has no Skip-Softmax "
+        "calibration: load a calibrated checkpoint (its config.json carries 'sparse_attention_config'), run "
+        "diffusers_trtllm.calibrate(pipe, prompts, ...), pass calibrations={...}, or set skip_softmax.threshold (λ) "
+        "instead")
