@@ -22,8 +22,8 @@ case "$module" in
          tests="tests/test_stats_edges.py tests/test_semantics_edges.py tests/test_state_ownership.py
                 tests/test_install_lifecycle.py tests/test_accuracy_probe.py" ;;
   steps) sources="diffusers_trtllm/steps.py"
-         tests="tests/test_state_ownership.py tests/test_install_lifecycle.py tests/test_semantics_edges.py
-                tests/test_accuracy_probe.py" ;;
+         tests="tests/test_steps_edges.py tests/test_state_ownership.py tests/test_install_lifecycle.py
+                tests/test_semantics_edges.py tests/test_accuracy_probe.py" ;;
   ops) sources="diffusers_trtllm/ops.py"
        tests="tests/test_dispatch_backend.py tests/test_semantics_edges.py tests/test_host_sync.py
               tests/test_accuracy_probe.py" ;;
