@@ -126,3 +126,22 @@ def test_statistics_without_a_probed_call_have_no_error():
     stats.close_step(0)
     assert stats.step_errors() == {} and stats.summary()["error"] is None and stats.error_table() == ""
     assert AttentionStats([]).summary()["sparsity"] is None
+
+
+def test_tables_say_n_a_where_nothing_was_counted_and_list_every_mode_a_probed_layer_ran():
+    """A layer whose backend does not count tiles, probed at two steps, with SAGE taken away by the guard after the
+    first."""
+    call = planned_call("a", quant=AttnQuantSpec("int8"), accuracy=AccuracySpec(), backend="OTHER")
+    stats = AttentionStats([call])
+    for step in range(2):
+        if step:
+            call.guard_dropped.add("sage")
+        call.plan(None, step)
+        add(call, 0, 0, counted=False)
+        call.error_sums += torch.tensor([1.0, 4.0], dtype=torch.float64)
+        stats.close_step(step)
+    assert stats.table().splitlines()[2:] == [
+        "| 0 | 1× OTHER:sage-int8 | n/a | 5.00e-01 | transformer.a (5.00e-01) |",
+        "| 1 | 1× OTHER:dense | n/a | 5.00e-01 | transformer.a (5.00e-01) |"]
+    assert stats.error_table().splitlines()[2:] == [
+        "| transformer.a | OTHER:dense, OTHER:sage-int8 | 5.00e-01 | 0 (5.00e-01) | n/a |"]
