@@ -23,7 +23,7 @@ from .backends import select_backend
 from .backends.trtllm import sage_semantics
 from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV, get_backend
 from .calibration.curve import SkipCalibration
-from .config import (TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttentionSpec, AttnQuantSpec,
+from .config import (AUTO, TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttentionSpec, AttnQuantSpec,
                      SkipSoftmaxSpec)
 from .errors import AttentionConfigError, BackendUnavailableError
 from .kernels.triton_sage import SKIP_SAMPLE_WAVES
@@ -234,8 +234,6 @@ class CallPlanner:
         try:
             choice = select_backend(spec.backend, kernel, qkv)
         except BackendUnavailableError as e:
-            from .config import AUTO
-
             non_causal = KernelPlan(backend=spec.backend, scale=kernel.scale)
             # A dense causal role (Cosmos 3's text stream) left to a default that runs non-causal attention only
             # (TRTLLM_ATTN) runs on what auto picks for it, said once: vLLM-Omni's config parser drops a per_role
