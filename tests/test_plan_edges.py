@@ -13,6 +13,7 @@ from diffusers_trtllm import BACKEND_NAME, AttentionConfigError, enable_trtllm_a
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.calibration.curve import SkipCalibration
 from diffusers_trtllm.config import AccuracySpec, AttentionConfig, AttnQuantSpec
+from diffusers_trtllm.kernels.triton_sage import SKIP_SAMPLE_WAVES
 from diffusers_trtllm.ops import PROBE
 from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite
 
@@ -75,7 +76,11 @@ def test_the_triton_rule_note_names_the_roles_that_skip_with_sage_wherever_they_
         enable_trtllm_attention(tiny_wan(), {"default": sage_skip,
                                              "per_role": {"self_attn": {"backend": "TORCH_REFERENCE"}}}).restore()
     notes = [str(w.message) for w in caught if "the Triton kernel's rule" in str(w.message)]
-    assert len(notes) == 1 and "['cross_attn'] attention" in notes[0], notes
+    assert notes == [
+        "diffusers_trtllm: ['cross_attn'] attention runs SAGE + Skip-Softmax on the Triton kernel's rule: a head skips "
+        f"only if a sample of its query tiles (about {SKIP_SAMPLE_WAVES} waves of the GPU's programs) skipped at least "
+        "30% of their KV tiles; other heads attend dense, where skipping would cost more time than it saves. "
+        "handle.stats reports the tiles actually skipped"]
 
 
 def test_the_skip_value_reaches_the_op_at_full_precision():
@@ -180,3 +185,33 @@ def test_a_target_without_a_calibration_is_refused_naming_the_fixes():
         "calibration: load a calibrated checkpoint (its config.json carries 'sparse_attention_config'), run "
         "diffusers_trtllm.calibrate(pipe, prompts, ...), pass calibrations={...}, or set skip_softmax.threshold (λ) "
         "instead")
+
+
+def test_the_probe_without_statistics_is_refused_naming_a_layer():
+    with pytest.raises(AttentionConfigError) as refused:
+        enable_trtllm_attention(tiny_wan(), {"default": {"backend": "TORCH_SDPA"}, "per_role": {
+            layer: {"backend": "TORCH_SDPA", "accuracy": {}} for layer in ("blocks.1.attn1", "blocks.1.attn2")}},
+            collect_stats=False)
+    assert str(refused.value) == (
+        "accuracy (the probe) is set for 2 layers (e.g. transformer.blocks.1.attn1) but collect_stats=False: the probe "
+        "reports its errors in handle.stats; install with collect_stats=True or remove accuracy")
+
+
+def test_a_calibration_probe_sees_the_calls_that_would_skip_even_where_auto_dropped_skipping():
+    """On a CPU ``auto`` runs SDPA and drops Skip-Softmax; the probe still counts what the spec would skip, from the
+    step whose timestep reaches the gate."""
+    config = {"default": {"skip_softmax": {"threshold": 0.1, "disabled_until_timestep": 0.5}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = enable_trtllm_attention(tiny_wan(), config)
+    planner = handle.planner
+    assert {call.skip for call in planner.calls.values()} == {None}
+    planner.set_probe(lambda *args, **kwargs: None)
+    probing = []
+    for timestep in (0.8, 0.5):
+        planner.plan_step(timestep, 0)
+        probing.append({call.probing for call in planner.calls.values()})
+    planner.set_probe(None)
+    probing.append({call.probing for call in planner.calls.values()})
+    handle.restore()
+    assert probing == [{False}, {True}, {False}]
