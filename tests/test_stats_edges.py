@@ -50,7 +50,8 @@ def test_a_step_keeps_every_call_of_a_layer_and_zeroes_the_counters():
     assert stats.per_layer() == {"transformer.a": 6 / 12, "transformer.b": 0.0}
     assert stats.modes() == {0: {"TORCH_REFERENCE:skip": 1, "TORCH_REFERENCE:dense": 1},
                              1: {"TORCH_REFERENCE:skip": 1}}
-    assert stats.summary()["sparsity"] == 6 / 16
+    assert stats.summary() == {"sparsity": 6 / 16, "per_step": stats.per_step(), "per_layer": stats.per_layer(),
+                               "modes": stats.modes(), "error": None, "error_per_step": {}, "error_per_layer": {}}
     assert stats.table() == "\n".join([
         "| step | modes | sparsity | probed error | worst layer (error) |", "|---:|---|---:|---:|---|",
         "| 0 | 1× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:skip | 0.167 | - | - |",
@@ -81,6 +82,14 @@ def test_a_backend_that_does_not_count_gives_no_sparsity_but_leaves_the_counted_
     assert stats.per_step() == {0: 0.5, 1: None}
     assert stats.summary()["sparsity"] == 4 / 8
     assert CallRecord("X", "skip", total=0).sparsity == 0.0
+
+
+def test_a_counted_layer_without_tiles_has_sparsity_0():
+    call = planned_call("a", skip=0.5)
+    stats = AttentionStats([call])
+    add(call, 0, 0)
+    stats.close_step(0)
+    assert stats.per_layer() == {"transformer.a": 0.0} and stats.per_step() == {0: 0.0}
 
 
 def test_the_probes_error_is_pooled_over_probed_steps_and_layers_only():
