@@ -5,6 +5,7 @@
 # MODULE: config | quant | plan | stats | steps | ops | reference | calibration.
 # Scratch folder: $MUTATION_DIR (default /tmp/diffusers-trtllm-mutation).
 set -euo pipefail -o noglob
+{  # read whole before it runs: editing this file during a run (hours) must not change the running copy
 module=${1:-}
 shift || true
 # tests slower than a minute on a loaded 2-core machine are left out of every mutant's run (the fp8 tensor-core
@@ -12,7 +13,8 @@ shift || true
 deselect="not slow and not emulated_fp8_accumulation_only_changes and not skipped_tiles_grow_with_lambda"
 case "$module" in
   config) sources="diffusers_trtllm/config.py"
-          tests="tests/test_config.py tests/test_config_precedence.py tests/test_config_edges.py" ;;
+          tests="tests/test_config.py tests/test_config_precedence.py tests/test_config_edges.py
+                 tests/test_accuracy_probe.py" ;;
   quant) sources="diffusers_trtllm/quant.py"
          tests="tests/test_reference.py tests/test_semantics_edges.py tests/test_quant_edges.py" ;;
   plan) sources="diffusers_trtllm/plan.py"
@@ -55,3 +57,5 @@ nice -n 19 mutmut run "$@" || true
 mutmut results --all true > results.txt || true
 echo "$module: $(grep -c ': killed' results.txt || true) killed, $(grep -c ': survived' results.txt || true) survived," \
   "$(grep -vc ': killed\|: survived' results.txt || true) other (timeout, no tests, suspicious); list: $work/results.txt"
+exit
+}
