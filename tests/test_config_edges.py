@@ -7,6 +7,7 @@ import re
 import pytest
 
 from diffusers_trtllm import AttentionConfig, AttentionConfigError, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
+from diffusers_trtllm.config import finite_number
 
 
 @pytest.mark.parametrize("field,value", [("target_sparsity", 0), ("target_sparsity", 1), ("threshold", 0),
@@ -88,3 +89,32 @@ def test_top_level_shapes_are_refused_naming_what_is_expected():
     config = AttentionConfig.from_dict({"per_role": {"self": AttentionSpec("TORCH_SDPA"), "cross": {}}})
     assert config.per_role["self"] == AttentionSpec("TORCH_SDPA") and config.per_role["cross"] == AttentionSpec()
     assert AttentionConfig.from_json(config.to_json()) == config
+
+
+@pytest.mark.parametrize("bounds,value,valid", [
+    ({}, "a", "a finite number"), ({"high": 1.0}, 2, "a finite number <= 1"),
+    ({"above": 0.0}, 0, "a finite number > 0"),
+    ({"low": 0.5}, 0.25, "a finite number >= 0.5"), ({"high": 1.0, "above": 0.0}, 2, "a finite number <= 1 and > 0")])
+def test_a_number_outside_its_bounds_is_refused_naming_every_bound(bounds, value, valid):
+    with pytest.raises(AttentionConfigError) as refused:
+        finite_number("x", value, **bounds)
+    assert str(refused.value) == f"x={value!r} is invalid: expected {valid}"
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"disabled_below_timestep": 0.1},
+     "quant.disabled_below_timestep=0.1 is invalid: expected 0 unless quant.dtype_qk is set (it schedules SAGE)"),
+    ({"dtype_qk": "int8", "disabled_until_timestep": 0.5, "disabled_below_timestep": 0.5},
+     "quant.disabled_below_timestep=0.5 is invalid: expected a value below quant.disabled_until_timestep=0.5 (SAGE "
+     "runs where disabled_below_timestep <= t <= disabled_until_timestep)")])
+def test_a_sage_schedule_is_refused_with_the_whole_rule(quant, message):
+    with pytest.raises(AttentionConfigError) as refused:
+        AttnQuantSpec.from_dict(quant)
+    assert str(refused.value) == message
+
+
+def test_a_sage_schedule_takes_its_range_ends_as_floats():
+    spec = AttnQuantSpec.from_dict({"dtype_qk": "int8", "disabled_until_timestep": 1, "disabled_below_timestep": 0})
+    assert (spec.disabled_until_timestep, spec.disabled_below_timestep) == (1.0, 0.0)
+    assert type(spec.disabled_until_timestep) is float
+    assert not AttnQuantSpec("int8", disabled_until_timestep=0).scheduled
