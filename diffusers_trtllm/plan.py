@@ -294,10 +294,15 @@ class CallPlanner:
             rule = sage_semantics(call.quant, device).skip_sample
             if rule is not None:
                 sampled.setdefault(rule[1], []).append(call.site.role)
-        return [f"diffusers_trtllm: {sorted(set(roles))} attention runs SAGE + Skip-Softmax on the Triton kernel's "
-                f"rule: a head skips only if a sample of its query tiles (about {SKIP_SAMPLE_WAVES} waves of the GPU's "
-                f"programs) skipped at least {pays_from:.0%} of their KV tiles; other heads attend dense, where "
-                "skipping would cost more time than it saves. handle.stats reports the tiles actually skipped"
+        if device.type == "cuda":
+            how = (f"on the Triton SAGE kernel, which first runs a sample of each head's query tiles (about "
+                   f"{SKIP_SAMPLE_WAVES} waves of thread blocks on this GPU)")
+        else:
+            how = "as the GPU's Triton SAGE kernel would: it first runs a sample of each head's query tiles"
+        return [f"diffusers_trtllm: {sorted(set(roles))} attention runs SAGE + Skip-Softmax {how}; a head skips "
+                f"only if its sample skipped at least {pays_from:.0%} of its KV tiles, else it attends dense (where "
+                "skipping would cost more time than it saves), so it skips less than Skip-Softmax alone. "
+                "handle.stats reports the tiles actually skipped"
                 for pays_from, roles in sampled.items()]
 
     def _allocate_counts(self, device: torch.device) -> None:
