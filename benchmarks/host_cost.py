@@ -4,8 +4,9 @@ At shapes this small the arithmetic takes a few microseconds, so what is timed i
 around it — what a GPU run pays on the host for every attention call while its kernels queue up. Rows:
 
 - whole attention module call (a Wan ``attn1``: projections, norms, RoPE, attention, output projection) with
-  diffusers' ``WanAttnProcessor`` + its dispatcher (``native`` backend), and with this package's processor
-  (``TORCH_SDPA``: the planned call, statistics off and on);
+  diffusers' ``WanAttnProcessor`` + its dispatcher (``native`` backend), and with this package's processor: alone
+  (every call through the opaque op, as ``TRTLLM_ATTN`` calls go), and installed on ``TORCH_SDPA`` (the planned
+  call runs SDPA directly; statistics off and on);
 - the attention function alone: ``dispatch_attention_fn`` (``native``), this package's ``run_attention`` on a
   planned ``TORCH_SDPA`` call (statistics off / on), and the opaque op every other backend runs through
   (``torch.ops.diffusers_trtllm.attention`` / ``attention_counted`` with ``TORCH_SDPA`` inside), which is what a
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn  # noqa: E402
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor  # noqa: E402
 
-from diffusers_trtllm import enable_trtllm_attention  # noqa: E402
+from diffusers_trtllm import WanTrtllmAttnProcessor, enable_trtllm_attention  # noqa: E402
 from diffusers_trtllm.dispatch import run_attention  # noqa: E402
 from diffusers_trtllm.plan import AttentionCall, CallSite  # noqa: E402
 from diffusers_trtllm.tiny_pipelines import tiny_wan_transformer  # noqa: E402
@@ -54,10 +55,21 @@ def module_cases():
             return enable_trtllm_attention(model, {"default": {"backend": "TORCH_SDPA"}}, collect_stats=collect_stats)
         return setup
 
+    def unbound():
+        # the processor alone (unplanned calls): every call goes through the opaque op, as TRTLLM_ATTN's do
+        attn.set_processor(WanTrtllmAttnProcessor({"default": {"backend": "TORCH_SDPA"}}))
+        return _Undo(lambda: attn.set_processor(WanAttnProcessor()))
+
     attn.set_processor(WanAttnProcessor())
     return [("module: diffusers WanAttnProcessor (native)", None, call),
+            ("module: WanTrtllmAttnProcessor alone, through the op (TORCH_SDPA inside)", unbound, call),
             ("module: WanTrtllmAttnProcessor TORCH_SDPA, statistics off", installed(False), call),
             ("module: WanTrtllmAttnProcessor TORCH_SDPA, statistics on", installed(True), call)]
+
+
+class _Undo:
+    def __init__(self, undo):
+        self.restore = undo
 
 
 def function_cases():
