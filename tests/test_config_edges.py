@@ -3,6 +3,7 @@ floats, and every refusal names the field, the value and what is valid."""
 
 import math
 import re
+import warnings
 
 import pytest
 
@@ -118,3 +119,17 @@ def test_a_sage_schedule_takes_its_range_ends_as_floats():
     assert (spec.disabled_until_timestep, spec.disabled_below_timestep) == (1.0, 0.0)
     assert type(spec.disabled_until_timestep) is float
     assert not AttnQuantSpec("int8", disabled_until_timestep=0).scheduled
+
+
+def test_a_single_spec_is_taken_as_the_default():
+    spec = AttentionSpec(backend="TORCH_SDPA")
+    assert AttentionConfig.coerce(spec).default is spec
+
+
+@pytest.mark.parametrize("threshold,warns", [(0.999, False), (1, True)])
+def test_a_threshold_from_1_warns_that_it_skips_nearly_everything(threshold, warns):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SkipSoftmaxSpec(threshold=threshold)
+    assert [str(w.message) for w in caught] == (
+        ["skip_softmax.threshold=1 >= 1 skips nearly every KV tile; typical values are 0.01-0.9"] if warns else [])
