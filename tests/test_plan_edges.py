@@ -15,6 +15,7 @@ from diffusers_trtllm.calibration.curve import SkipCalibration
 from diffusers_trtllm.config import AccuracySpec, AttentionConfig, AttnQuantSpec
 from diffusers_trtllm.ops import PROBE
 from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite
+from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline
 
 from helpers import cosmos3_transformer_call, tiny_wan, wan_inputs
 
@@ -205,15 +206,29 @@ def test_a_calibration_probe_sees_the_calls_that_would_skip_even_where_auto_drop
         handle = enable_trtllm_attention(tiny_wan(), config)
     planner = handle.planner
     assert {call.skip for call in planner.calls.values()} == {None}
-    planner.set_probe(lambda *args, **kwargs: None)
     probing = []
+    planner.plan_step(0.5, 0)
+    planner.set_probe(lambda *args, **kwargs: None)  # probing from the step in progress on
+    probing.append({call.probing for call in planner.calls.values()})
     for timestep in (0.8, 0.5):
         planner.plan_step(timestep, 0)
         probing.append({call.probing for call in planner.calls.values()})
     planner.set_probe(None)
     probing.append({call.probing for call in planner.calls.values()})
     handle.restore()
-    assert probing == [{False}, {True}, {False}]
+    assert probing == [{True}, {False}, {True}, {False}]
+
+
+def test_each_component_says_once_that_its_target_is_extrapolated():
+    curve = SkipCalibration(2.0, 3.0, sparsity_range=(0.2, 0.6))
+    config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"target_sparsity": 0.7}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_trtllm_attention(tiny_wan22_pipeline(), config,
+                                calibrations={"transformer": curve, "transformer_2": curve}).restore()
+    assert sorted(str(w.message).split(" observed when ")[1] for w in caught if "extrapolated" in str(w.message)) == [
+        "'transformer' was calibrated; its factor is extrapolated",
+        "'transformer_2' was calibrated; its factor is extrapolated"]
 
 
 def test_tile_counts_are_kept_as_integers():
