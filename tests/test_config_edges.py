@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from diffusers_trtllm import AttentionConfig, AttentionConfigError, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
-from diffusers_trtllm.config import finite_number
+from diffusers_trtllm.config import BACKEND_NAMES, FEATURE_BACKENDS, finite_number
 
 
 @pytest.mark.parametrize("field,value", [("target_sparsity", 0), ("target_sparsity", 1), ("threshold", 0),
@@ -133,3 +133,36 @@ def test_a_threshold_from_1_warns_that_it_skips_nearly_everything(threshold, war
         SkipSoftmaxSpec(threshold=threshold)
     assert [str(w.message) for w in caught] == (
         ["skip_softmax.threshold=1 >= 1 skips nearly every KV tile; typical values are 0.01-0.9"] if warns else [])
+
+
+def test_an_unknown_backend_and_spec_key_are_refused_naming_what_is_valid():
+    with pytest.raises(AttentionConfigError) as backend:
+        AttentionSpec(backend="NOPE")
+    assert str(backend.value) == (f"backend='NOPE' is invalid: expected one of {list(BACKEND_NAMES)} (aliases: "
+                                  "['REFERENCE', 'SDPA', 'TRTLLM', 'TRTLLM-GEN', 'TRTLLM_GEN'])")
+    with pytest.raises(AttentionConfigError) as key:
+        AttentionSpec.from_dict({"backend": "auto", "skip": {}})
+    assert str(key.value) == ("spec: unknown key(s) ['skip']; valid keys are ['accuracy', 'backend', 'quant', "
+                              "'skip_softmax']")
+
+
+@pytest.mark.parametrize("name,value", [("skip_softmax", {"threshold": 0.1}), ("quant", {"dtype_qk": "int8"})])
+def test_a_feature_on_a_dense_backend_is_refused_naming_the_feature(name, value):
+    with pytest.raises(AttentionConfigError) as refused:
+        AttentionSpec.from_dict({"backend": "TORCH_SDPA", name: value})
+    assert str(refused.value) == (f"{name} is set but backend='TORCH_SDPA' runs dense attention only; {name} needs one "
+                                  f"of {list(FEATURE_BACKENDS)}")
+
+
+@pytest.mark.parametrize("sites,example", [
+    ([("transformer_2", "blocks.3.attn2", "cross_attn", "cross")], "transformer_2.blocks.3.attn2"),
+    ([], "transformer.blocks.0.attn1")])
+def test_an_unknown_layer_key_is_refused_with_an_example_of_the_models_own(sites, example):
+    config = AttentionConfig.from_dict({"per_role": {"transformer_2": {"backend": "TORCH_SDPA"},
+                                                     "blocks.9.attn1": {"backend": "TORCH_SDPA"}}})
+    with pytest.raises(AttentionConfigError) as refused:
+        config.check_keys(sites + [("transformer_2", "blocks.0.attn1", "self_attn", "self")] if sites else [])
+    components = "['transformer_2']" if sites else "[]"
+    assert str(refused.value).startswith(f"per_role key {'blocks.9.attn1' if sites else 'transformer_2'!r} matches no")
+    assert f"components {components}" in str(refused.value)
+    assert str(refused.value).endswith(f"a layer name such as {example!r}, or a glob over layer names")
