@@ -166,3 +166,8 @@ def test_an_unknown_layer_key_is_refused_with_an_example_of_the_models_own(sites
     assert str(refused.value).startswith(f"per_role key {'blocks.9.attn1' if sites else 'transformer_2'!r} matches no")
     assert f"components {components}" in str(refused.value)
     assert str(refused.value).endswith(f"a layer name such as {example!r}, or a glob over layer names")
+
+
+def test_the_accuracy_bound_is_stored_as_a_float():
+    bound = AttentionSpec.from_dict({"accuracy": {"max_error": 1}}).accuracy.max_error
+    assert bound == 1.0 and type(bound) is float
