@@ -132,7 +132,7 @@ class AttentionStats:
                 total[group] += rec.total
             else:
                 uncounted.add(group)
-        groups = sorted({key[index] for key in records}, key=str)
+        groups = sorted({key[index] for key in records})  # steps in number order, layers by name
         return {g: (None if g in uncounted and not total[g] else
                     (skipped[g] / total[g] if total[g] else 0.0)) for g in groups}
 

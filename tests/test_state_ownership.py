@@ -285,3 +285,11 @@ def test_auto_that_drops_a_feature_warns_once_whatever_the_shapes():
             model(**wan_inputs(batch=1, frames=1, height=size, width=size))
     dropped = [w for w in record if "Skip-Softmax dropped" in str(w.message)]
     assert len(dropped) == 1, [str(w.message) for w in record]
+
+
+def test_steps_come_in_number_order_past_ten():
+    pipe = LoopPipeline(tiny_wan(), FlowMatchEulerDiscreteScheduler(shift=3.0))
+    with enable_trtllm_attention(pipe, SAGE) as handle, torch.no_grad():
+        pipe(wan_inputs(batch=1, frames=1, height=8, width=8), 12)
+    assert list(handle.stats.per_step()) == list(range(12))
+    assert list(handle.stats.summary()["per_step"]) == list(range(12))
