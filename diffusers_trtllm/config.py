@@ -20,13 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import warnings
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
-from .errors import AttentionConfigError, invalid
+from .errors import AttentionConfigError, invalid, warn_user
 
 AUTO = "auto"
 TRTLLM_ATTN = "TRTLLM_ATTN"
@@ -115,8 +114,8 @@ class SkipSoftmaxSpec:
         if self.threshold is not None:
             object.__setattr__(self, "threshold", finite_number("skip_softmax.threshold", self.threshold, 0.0))
             if self.threshold >= 1.0:
-                warnings.warn(f"skip_softmax.threshold={self.threshold:g} >= 1 skips nearly every KV tile; "
-                              "typical values are 0.01-0.9", stacklevel=3)
+                warn_user(f"skip_softmax.threshold={self.threshold:g} >= 1 skips nearly every KV tile; "
+                          "typical values are 0.01-0.9")
         if self.target_sparsity is not None and self.threshold is not None:
             raise AttentionConfigError(
                 f"skip_softmax.target_sparsity={self.target_sparsity!r} and skip_softmax.threshold="

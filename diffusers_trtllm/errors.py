@@ -21,3 +21,20 @@ def invalid(field: str, value, valid: str) -> AttentionConfigError:
 class CalibrationError(RuntimeError):
     """Calibration produced too little to fit a curve, or a curve is asked about where it was never measured.
     The message says what was observed and what to change."""
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointing at the user's line: the first frame outside this package, diffusers and torch
+    (a warning raised while a pipeline runs would otherwise name a line of theirs or ours)."""
+    import os
+    import sys
+    import warnings
+
+    import diffusers
+    import torch
+
+    internal = tuple(os.path.dirname(module.__file__) + os.sep for module in (sys.modules[__package__], diffusers, torch))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from typing import Mapping
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from .calibration import calibrations_from_transformers
 from .calibration.curve import SkipCalibration
 from .config import TRANSFORMER_COMPONENTS, AttentionConfig
-from .errors import AttentionConfigError
+from .errors import AttentionConfigError, warn_user
 from .plan import CallPlanner, CallSite
 from .processors import PROCESSORS, TrtllmAttnProcessor, processor_class_for
 from .stats import AttentionStats
@@ -129,8 +128,8 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
             clock.start_run()  # a bare transformer's calls form one run until a rising timestep starts another
         if clock.gated:
             if bare:
-                warnings.warn("diffusers_trtllm: a timestep gate without a pipeline reads the transformer's timestep "
-                              "argument on the host once per call; compile per block in this form", stacklevel=2)
+                warn_user("diffusers_trtllm: a timestep gate without a pipeline reads the transformer's timestep "
+                          "argument on the host once per call; compile per block in this form")
             for component, transformer in transformers.items():
                 clock.timestep_hook(transformer, functools.partial(read_timestep_arguments,
                                                                    names=classes[component].TIMESTEP_ARGUMENTS))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import json
-import warnings
 
 import torch
 
@@ -38,6 +37,7 @@ from .backends import run_backend, select_backend
 from .backends.base import KernelPlan, VarlenQKV
 from .backends.sdpa import sdpa_attention
 from .config import AttnQuantSpec
+from .errors import warn_user
 
 
 #: indices into the op's ``settings`` tensor
@@ -223,8 +223,7 @@ def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: 
         choice = select_backend(requested, plan, qkv)
         if choice.dropped and (requested, choice.dropped) not in _UNPLANNED_WARNED:
             _UNPLANNED_WARNED.add((requested, choice.dropped))
-            warnings.warn(f"diffusers_trtllm: auto runs attention dense on {qkv.q.device}: {choice.dropped}",
-                          stacklevel=2)
+            warn_user(f"diffusers_trtllm: auto runs attention dense on {qkv.q.device}: {choice.dropped}")
         if len(_UNPLANNED_CHOICES) >= _UNPLANNED_CACHE_SIZE:
             _UNPLANNED_CHOICES.pop(next(iter(_UNPLANNED_CHOICES)))  # bounded: drop the oldest kind
         _UNPLANNED_CHOICES[key] = choice.route

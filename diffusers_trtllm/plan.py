@@ -13,7 +13,6 @@ takes SAGE (else skipping) away from a layer above its bound for the rest of the
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -25,7 +24,7 @@ from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV, get_backend
 from .calibration.curve import SkipCalibration
 from .config import (AUTO, TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttentionSpec, AttnQuantSpec,
                      SkipSoftmaxSpec)
-from .errors import AttentionConfigError, BackendUnavailableError
+from .errors import AttentionConfigError, BackendUnavailableError, warn_user
 from .kernels.triton_sage import SKIP_SAMPLE_WAVES
 from .ops import SAGE, SKIP, encode_quant, initial_settings
 
@@ -358,10 +357,9 @@ class CallPlanner:
             call.guard_dropped.add(drop)
             outcome = (f"it runs without {what} for the rest of this pipeline call" if what else
                        "it ran dense, so there is nothing to drop (reported once per pipeline call)")
-            warnings.warn(
+            warn_user(
                 f"diffusers_trtllm: {call.site.qualified_layer} ({call.site.role} attention, {mode}): probed error "
-                f"{error:.3g} at step {step} exceeds the bound accuracy.max_error={bound:g}; {outcome}",
-                stacklevel=2)
+                f"{error:.3g} at step {step} exceeds the bound accuracy.max_error={bound:g}; {outcome}")
 
     def set_probe(self, probe: Callable | None) -> None:
         """Hand every call that would skip to ``probe(site, qkv, scale=, causal=, tile=)`` and run it dense
@@ -374,4 +372,4 @@ class CallPlanner:
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, stacklevel=3)
+            warn_user(message)

@@ -24,7 +24,7 @@ from .backends.base import DEFAULT_TILE
 from .calibration.counting import count_skips, skip_gaps
 from .calibration.curve import SkipCalibration
 from .calibration.fit import DEFAULT_FIT_RANGE, CalibrationResult, ComponentFit, fit_curve
-from .errors import CalibrationError, invalid
+from .errors import CalibrationError, invalid, warn_user
 from .install import enable_trtllm_attention, pipeline_transformers
 from .processors import (Cosmos3TrtllmAttnProcessor, HunyuanVideo15TrtllmAttnProcessor, WanTrtllmAttnProcessor,
                          processor_class_for)
@@ -176,10 +176,9 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
             disabled_until_timestep=disabled_until_timestep or None)
         fits[component] = ComponentFit(calibration, marked, r_squared, tuple(sorted(sparse_layers)), component)
         if target_sparsity is not None and not min(used) <= target_sparsity <= max(used):
-            warnings.warn(f"{component}: the checkpoint will suggest target_sparsity={target_sparsity}, outside the "
-                          f"sparsity [{min(used):.3f}, {max(used):.3f}] observed while calibrating; its λ is an "
-                          "extrapolation. Suggest a target inside the range, or calibrate to reach it",
-                          stacklevel=2)
+            warn_user(f"{component}: the checkpoint will suggest target_sparsity={target_sparsity}, outside the "
+                      f"sparsity [{min(used):.3f}, {max(used):.3f}] observed while calibrating; its λ is an "
+                      "extrapolation. Suggest a target inside the range, or calibrate to reach it")
     settings = {"deployment": {"height": height, "width": width, "num_frames": num_frames,
                                "num_inference_steps": num_inference_steps,
                                "disabled_until_timestep": disabled_until_timestep},

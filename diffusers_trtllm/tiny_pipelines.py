@@ -175,7 +175,6 @@ def tiny_hunyuan_video15_pipeline(seed: int = 0, *, qk_gain: float = 4.0):
         text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
         tokenizer_2=ByT5Tokenizer(), vae=vae, transformer=tiny_hunyuan_video15_transformer(seed, qk_gain=qk_gain),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), guider=ClassifierFreeGuidance(guidance_scale=6.0))
-    return pipe
 
 
 COSMOS3_TINY_LATENT_CHANNELS = 16  # the tiny Wan VAE's z_dim
