@@ -293,3 +293,60 @@ def test_steps_come_in_number_order_past_ten():
         pipe(wan_inputs(batch=1, frames=1, height=8, width=8), 12)
     assert list(handle.stats.per_step()) == list(range(12))
     assert list(handle.stats.summary()["per_step"]) == list(range(12))
+
+
+class BeginIndexPipeline(LoopPipeline):
+    """An img2img-shaped loop: the scheduler's timesteps from ``begin`` on (``set_begin_index``)."""
+
+    def __call__(self, inputs: dict, steps: int, begin: int = 0) -> torch.Tensor:
+        self.scheduler.set_timesteps(steps)
+        self.scheduler.set_begin_index(begin)
+        latents = inputs["hidden_states"]
+        for t in self.scheduler.timesteps[begin:]:
+            self.transformer(**inputs)
+            latents = self.scheduler.step(torch.zeros_like(latents), t, latents).prev_sample
+        return latents
+
+
+def test_a_begin_index_starts_the_run_at_that_step_and_its_timestep():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    pipe = BeginIndexPipeline(tiny_wan(), scheduler)
+    expected = expected_gate(scheduler, steps=6)
+    with enable_trtllm_attention(pipe, GATED_SKIP) as handle, torch.no_grad():
+        pipe(wan_inputs(batch=1, frames=1, height=8, width=8), 6, begin=2)
+        assert step_modes(handle) == {i: expected[i] for i in range(2, 6)}
+
+
+def test_the_gate_reads_t_with_the_schedulers_own_num_train_timesteps():
+    """t = timestep / num_train_timesteps of the scheduler the pipeline has at the call (500 here, not 1000)."""
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=500, shift=1.0)
+    pipe = LoopPipeline(tiny_wan(), scheduler)
+    expected = expected_gate(scheduler, steps=6)
+    with enable_trtllm_attention(pipe, GATED_SKIP) as handle, torch.no_grad():
+        pipe(wan_inputs(batch=1, frames=1, height=8, width=8), 6)
+        assert step_modes(handle) == expected
+
+
+def test_a_scheduler_method_the_user_wrapped_is_theirs_again_after_the_call():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    pipe = LoopPipeline(tiny_wan(), scheduler)
+    steps_seen = []
+    original_step = scheduler.step
+
+    def user_step(*args, **kwargs):
+        steps_seen.append(1)
+        return original_step(*args, **kwargs)
+
+    scheduler.step = user_step
+    with enable_trtllm_attention(pipe, GATED_SKIP) as handle, torch.no_grad():
+        pipe(wan_inputs(batch=1, frames=1, height=8, width=8), 4)
+        assert vars(scheduler)["step"] is user_step and len(steps_seen) == 4
+        assert sorted(handle.stats.per_step()) == [0, 1, 2, 3]
+
+
+def test_an_object_that_is_neither_pipeline_nor_transformer_is_refused():
+    from types import SimpleNamespace
+
+    with pytest.raises(AttentionConfigError, match="takes a diffusers pipeline .* or a transformer; got a "
+                                                   "SimpleNamespace: pass pipe.transformer"):
+        enable_trtllm_attention(SimpleNamespace(transformer=tiny_wan(), scheduler=None), SAGE)
