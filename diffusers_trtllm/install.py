@@ -16,7 +16,7 @@ from .errors import AttentionConfigError, warn_user
 from .plan import CallPlanner, CallSite
 from .processors import PROCESSORS, TrtllmAttnProcessor, processor_class_for
 from .stats import AttentionStats
-from .steps import DenoisingClock
+from .steps import DenoisingClock, num_train_timesteps
 
 logger = logging.getLogger("diffusers_trtllm")
 
@@ -115,9 +115,9 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
     planner.choose_backends(plan_device(transformers.values()), dtype)
 
     bare = isinstance(pipe, torch.nn.Module)
-    scheduler_config = None if bare else getattr(getattr(pipe, "scheduler", None), "config", None)
     clock = DenoisingClock(planner, AttentionStats(planner.calls.values()),
-                           getattr(scheduler_config, "num_train_timesteps", None) or 1000, gated=_gated(planner))
+                           num_train_timesteps(None if bare else getattr(pipe, "scheduler", None)),
+                           gated=_gated(planner))
     handle = TrtllmAttentionHandle(planner, clock)
     try:
         for component, transformer in transformers.items():

@@ -142,7 +142,7 @@ class DenoisingClock:
                 undo.pop()()
 
     def _report_from(self, scheduler) -> list[Callable[[], None]]:
-        num_train = getattr(getattr(scheduler, "config", None), "num_train_timesteps", None) or 1000
+        num_train = num_train_timesteps(scheduler)
         after = {"set_timesteps": lambda: self.set_timesteps(scheduler.timesteps, num_train),
                  "set_begin_index": lambda: self.set_step(scheduler.begin_index or 0),
                  "step": lambda: self.end_step(_step_index(scheduler))}
@@ -192,6 +192,11 @@ class DenoisingClock:
 
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
         self._undo.append(handle.remove)
+
+
+def num_train_timesteps(scheduler) -> int:
+    """The scheduler's ``num_train_timesteps`` (what normalizes its timesteps to t), 1000 without one."""
+    return getattr(getattr(scheduler, "config", None), "num_train_timesteps", None) or 1000
 
 
 def _step_index(scheduler) -> int | None:
