@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from diffusers_trtllm import AttentionConfig, AttentionConfigError, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
-from diffusers_trtllm.config import BACKEND_NAMES, FEATURE_BACKENDS, finite_number
+from diffusers_trtllm.config import BACKEND_NAMES, FEATURE_BACKENDS, AccuracySpec, finite_number
 
 
 @pytest.mark.parametrize("field,value", [("target_sparsity", 0), ("target_sparsity", 1), ("threshold", 0),
@@ -171,3 +171,36 @@ def test_an_unknown_layer_key_is_refused_with_an_example_of_the_models_own(sites
 def test_the_accuracy_bound_is_stored_as_a_float():
     bound = AttentionSpec.from_dict({"accuracy": {"max_error": 1}}).accuracy.max_error
     assert bound == 1.0 and type(bound) is float
+
+
+@pytest.mark.parametrize("backend", [None, 3])
+def test_a_backend_that_is_not_a_string_is_refused_naming_the_valid_names(backend):
+    with pytest.raises(AttentionConfigError) as refused:
+        AttentionSpec.from_dict({"backend": backend})
+    assert str(refused.value) == f"backend={backend!r} is invalid: expected one of {list(BACKEND_NAMES)}"
+
+
+def test_two_tied_globs_are_refused_with_the_two_ways_out():
+    config = AttentionConfig.from_dict({"per_role": {"blocks.1.*": {}, "*.attn1": {"backend": "TORCH_SDPA"}}})
+    with pytest.raises(AttentionConfigError) as tied:
+        config.resolve_sites([("transformer", "blocks.1.attn1", "self_attn", "self"),
+                              ("transformer", "blocks.1.attn2", "cross_attn", "cross"),
+                              ("transformer", "blocks.0.attn1", "self_attn", "self")])
+    assert str(tied.value) == (
+        "per_role keys 'blocks.1.*' and '*.attn1' both match transformer.blocks.1.attn1 and neither matches a strict "
+        "subset of the other's layers, so neither is more specific; add an exact key for the layer or narrow one glob")
+
+
+@pytest.mark.parametrize("accuracy", [AccuracySpec(probe_rows=8, max_error=0.1), {"probe_rows": 8, "max_error": 0.1}])
+def test_with_accuracy_puts_the_probe_on_the_default_and_every_per_role_spec(accuracy):
+    config = AttentionConfig.from_dict({"default": {"backend": "TORCH_REFERENCE"},
+                                        "per_role": {"cross": {"backend": "TORCH_SDPA"},
+                                                     "blocks.0.*": {"skip_softmax": {"threshold": 0.1}}}})
+    probed = config.with_accuracy(accuracy)
+    expected = AccuracySpec(probe_rows=8, max_error=0.1)
+    assert probed.default == AttentionSpec("TORCH_REFERENCE", accuracy=expected)
+    assert dict(probed.per_role) == {"cross": AttentionSpec("TORCH_SDPA", accuracy=expected),
+                                     "blocks.0.*": AttentionSpec(skip_softmax=SkipSoftmaxSpec(threshold=0.1),
+                                                                 accuracy=expected)}
+    assert config.default.accuracy is None and config.per_role["cross"].accuracy is None  # the original is kept
+    assert probed.with_accuracy(None) == config
