@@ -144,29 +144,33 @@ def fit_curve(points: list[dict], fit_range: tuple[float, float] = DEFAULT_FIT_R
     """Least squares of log(factor) = log(a) + b·s over the points with s in ``fit_range``.
 
     Returns ``(a, b, r_squared in log space, points with "used" set)``; raises :class:`CalibrationError` when
-    fewer than 3 distinct sparsities fall in the range or the fitted b is not positive.
+    fewer than 3 distinct sparsities fall in the range, or the fit is degenerate: every point used has one factor,
+    or the fitted b is not positive, or a underflows to 0.
     """
     lo, hi = fit_range
+    name = component or "calibration"
     marked = [{**p, "used": lo <= p["sparsity"] <= hi} for p in points]
     used = [p for p in marked if p["used"]]
     observed = (min(p["sparsity"] for p in points), max(p["sparsity"] for p in points)) if points else None
     if len({round(p["sparsity"], 9) for p in used}) < 3:
         raise CalibrationError(
-            f"{component}: {len(used)} calibration points with sparsity in [{lo}, {hi}] "
+            f"{name}: {len(used)} calibration points with sparsity in [{lo}, {hi}] "
             f"(observed range {observed}); need 3 distinct sparsities. Widen the λ grid (larger λ gives more "
             "sparsity), calibrate at more frames or a higher resolution (longer sequences skip more), or move "
             "disabled_until_timestep so more steps are counted")
     s = np.array([p["sparsity"] for p in used])
     log_factor = np.log([p["factor"] for p in used])
     b, log_a = np.polyfit(s, log_factor, 1)
-    residual = log_factor - (log_a + b * s)
-    spread = log_factor - log_factor.mean()
-    r_squared = 1.0 - float(residual @ residual) / float(spread @ spread) if spread.any() else 1.0
     a = math.exp(log_a)
-    if not (b > 0 and 0 < a < math.inf):
+    spread = log_factor - log_factor.mean()
+    # every point at one factor: b is rounding noise of either sign, and there is no curve
+    if not (spread.any() and b > 0 and a > 0):
         raise CalibrationError(
-            f"{component}: the fit a={a:.4g}, b={b:.4g} is degenerate (both must be finite and > 0: the factor "
-            f"must grow with sparsity); achieved sparsity barely depends on λ over the {len(used)} points in "
-            f"[{lo}, {hi}] (sparsities {sorted({round(p['sparsity'], 4) for p in used})[:8]}). Attention this "
-            "peaky or this flat has no useful curve: use skip_softmax.threshold (λ) directly")
+            f"{name}: the fit a={a:.4g}, b={b:.4g} is degenerate (both must be > 0: the factor must grow with "
+            f"sparsity); achieved sparsity barely depends on λ over the {len(used)} points in [{lo}, {hi}] "
+            f"(distinct factors λ·kv_len: {len(set(log_factor.tolist()))}; sparsities "
+            f"{sorted({round(p['sparsity'], 4) for p in used})[:8]}). Attention this peaky or this flat has no "
+            "useful curve: use skip_softmax.threshold (λ) directly")
+    residual = log_factor - (log_a + b * s)
+    r_squared = 1.0 - float(residual @ residual) / float(spread @ spread)
     return float(a), float(b), r_squared, marked
