@@ -32,7 +32,8 @@ case "$module" in
   reference) sources="diffusers_trtllm/backends/reference.py"
              tests="tests/test_reference.py tests/test_semantics_edges.py" ;;
   calibration) sources="diffusers_trtllm/calibration/*"
-               tests="tests/test_calibration.py tests/test_calibration_edges.py" ;;
+               tests="tests/test_calibration.py tests/test_calibration_edges.py tests/test_calibration_fit.py
+                      tests/test_calibration_checkpoint.py" ;;
   *) echo "usage: $0 config|quant|plan|stats|steps|ops|reference|calibration [mutmut run arguments]:" \
           "got '$module'" >&2; exit 2 ;;
 esac

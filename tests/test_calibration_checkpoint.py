@@ -1,0 +1,95 @@
+"""A Skip-Softmax curve and its checkpoint at their edges, without running a model: what ``SkipCalibration``
+accepts and refuses, which layers a curve bound to a transformer keeps dense, and what is written into and read
+from ``config.json`` and its sidecar."""
+
+import json
+
+import pytest
+import torch
+
+from diffusers_trtllm import AttentionConfigError
+from diffusers_trtllm.calibration import (SkipCalibration, calibrations_from_transformers, load_calibration,
+                                          sparse_attention_config, write_calibration)
+from diffusers_trtllm.tiny_pipelines import tiny_wan_transformer
+from diffusers_trtllm.version import __version__
+
+WAN_LAYERS = {"blocks.0.attn1", "blocks.0.attn2", "blocks.1.attn1", "blocks.1.attn2"}
+
+
+@pytest.mark.parametrize("fields", [
+    {"a": 0.5, "b": 0.5}, {"a": 1e-9, "b": 1e-9},  # a and b only need to be above 0
+    {"target_sparsity": 0, "disabled_until_timestep": 1}, {"target_sparsity": 1, "disabled_until_timestep": 0},
+    {"sparsity_range": (0, 1)}, {"sparsity_range": [0.3, 0.3]}])
+def test_a_curve_takes_its_range_ends_and_stores_numbers_as_floats_and_lists_as_tuples(fields):
+    curve = SkipCalibration(**{"a": 2.0, "b": 3.0, **fields}, ignore=["blocks.0.*"], targets=["WanAttention"])
+    for name, value in fields.items():
+        stored = getattr(curve, name)
+        if name == "sparsity_range":
+            assert stored == tuple(value) and all(type(x) is float for x in stored)
+        else:
+            assert stored == value
+    assert (curve.ignore, curve.targets) == (("blocks.0.*",), ("WanAttention",))
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"a": 0}, "calibration.a=0 is invalid: expected a finite number > 0 (factor = a * exp(b * s))"),
+    ({"b": -1.0}, "calibration.b=-1.0 is invalid: expected a finite number > 0 (factor = a * exp(b * s))"),
+    ({"target_sparsity": 1.5}, "calibration.target_sparsity=1.5 is invalid: expected a finite number in [0, 1] or None"),
+    ({"disabled_until_timestep": -0.1},
+     "calibration.disabled_until_timestep=-0.1 is invalid: expected a finite number in [0, 1] or None"),
+    *[({"sparsity_range": value}, f"calibration.sparsity_range={value!r} is invalid: expected (low, high) with "
+                                  "0 <= low <= high <= 1")
+      for value in [(0.5, 0.4), (-0.1, 0.5), (0.2, 1.01), (0.1,), (0.1, 0.2, 0.3), (0.1, float("nan")), ("0", 0.5)]],
+])
+def test_a_curve_outside_its_ranges_is_refused_naming_the_field_and_value(fields, message):
+    with pytest.raises(AttentionConfigError) as refused:
+        SkipCalibration(**{"a": 2.0, "b": 3.0, **fields})
+    assert str(refused.value) == message
+
+
+def test_a_curve_bound_to_a_transformer_keeps_the_layers_of_other_classes_dense():
+    transformer = tiny_wan_transformer()
+    other_class = SkipCalibration(2.0, 3.0, targets=("LlamaAttention",))
+    assert other_class.bind(transformer).dense_layers == WAN_LAYERS
+    assert SkipCalibration(2.0, 3.0, targets=("WanAttention",)).bind(transformer).dense_layers == frozenset()
+    # no targets: the curve is for any class; a model without attention processors has no layer to keep dense
+    assert SkipCalibration(2.0, 3.0).bind(transformer).dense_layers == frozenset()
+    assert other_class.bind(torch.nn.Linear(2, 2)).dense_layers == frozenset()
+    bound = calibrations_from_transformers({"transformer": transformer}, {"transformer": other_class})["transformer"]
+    assert all(bound.keeps_dense(layer) for layer in WAN_LAYERS) and not bound.keeps_dense("blocks.2.attn1")
+
+
+def test_a_layer_is_kept_dense_by_an_ignore_pattern_or_by_its_class_alone():
+    curve = SkipCalibration(2.0, 3.0, ignore=("blocks.1.*",), dense_layers=frozenset({"blocks.0.attn2"}))
+    assert [curve.keeps_dense(layer) for layer in ("blocks.0.attn1", "blocks.0.attn2", "blocks.1.attn1")] == \
+        [False, True, True]
+
+
+def test_the_checkpoint_entry_is_modelopts_schema_with_this_package_as_producer():
+    curve = SkipCalibration(7.93, 8.61, targets=("WanAttention",), ignore=("blocks.0.attn2",), target_sparsity=0.5,
+                            disabled_until_timestep=0.9)
+    group = {"algorithm": "skip_softmax", "targets": ["WanAttention"], "ignore": ["blocks.0.attn2"],
+             "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 7.93, "b": 8.61}},
+             "target_sparsity": {"prefill": 0.5}, "disabled_until_timestep": 0.9}
+    assert sparse_attention_config(curve) == {"config_groups": {"group_0": group},
+                                              "producer": {"name": "diffusers_trtllm", "version": __version__}}
+    producer = {"name": "modelopt", "version": "0.47.0"}
+    assert sparse_attention_config(curve, producer=producer)["producer"] == producer
+    # nothing to say: no ignore, target or gate keys
+    assert sparse_attention_config(SkipCalibration(2.0, 3.0))["config_groups"]["group_0"] == {
+        "algorithm": "skip_softmax", "targets": [],
+        "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 2.0, "b": 3.0}}}
+
+
+def test_writing_keeps_diffusers_json_layout_and_needs_the_config_first(tmp_path):
+    curve = SkipCalibration(2.0, 3.0)
+    with pytest.raises(FileNotFoundError) as missing:
+        write_calibration(tmp_path, curve)
+    assert str(missing.value) == (f"{tmp_path / 'config.json'} does not exist: save the transformer (or "
+                                  "transformer.save_config) there before writing its calibration")
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel"}))
+    write_calibration(tmp_path, curve, {"observed_sparsity": [0.1, 0.4]})
+    for name in ("config.json", "sparse_attention_calibration.json"):  # indented like diffusers' own config.json
+        text = (tmp_path / name).read_text()
+        assert text == json.dumps(json.loads(text), indent=2) + "\n"
+    assert load_calibration(tmp_path).sparsity_range == (0.1, 0.4)
