@@ -2,13 +2,16 @@
 
 import copy
 import inspect
+from collections import Counter
 
 import pytest
 import torch
-from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor, _rotate_half
 from helpers import max_rel_err, predicted_gate_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusers_trtllm import Cosmos3TrtllmAttnProcessor, enable_trtllm_attention
+from diffusers_trtllm.dispatch import BACKEND, set_dispatch_config
 from diffusers_trtllm.install import read_timestep_arguments
 from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_pipeline, tiny_cosmos3_transformer
 
@@ -115,3 +118,52 @@ def test_timestep_reader_takes_every_noisy_modality():
              "action_timesteps": torch.full((2,), 900.0)}
     assert read_timestep_arguments(bound, names).max() == 900.0
     assert read_timestep_arguments({"vision_timesteps": torch.empty(0)}, names) is None
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts the ATen (and this package's) ops a block of code dispatches that make a tensor: every copy, cat and
+    kernel shows; views (free, and spelled differently: ``[0]`` or ``squeeze(0)``) do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def traced_ops(fn, *args) -> Counter:
+    with torch.no_grad(), AtenOps() as mode:
+        fn(*args)
+    return mode.ops
+
+
+@pytest.mark.parametrize("variant", [{}, {"qk_norm_for_text": False, "use_und_k_norm_for_gen": True}],
+                         ids=["qk-norm", "und-k-norm-for-gen"])
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "TORCH_REFERENCE"], ids=["planned-sdpa", "through-the-op"])
+def test_processor_adds_no_op_to_diffusers(variant, backend):
+    """One processor call dispatches diffusers' own ops, none more: no copy, cat, head repeat or reshape of its own
+    around the attention. Where the text keys have no norm of their own for the generation stream, it rotates them
+    once where diffusers rotates them twice (one rotary's ops fewer). Through the op, diffusers' processor runs on
+    the same op (its dispatcher backend), so both sides' attention is one op call per stream."""
+    transformer = tiny_cosmos3_transformer(**variant)
+    attn = transformer.layers[0].self_attn
+    und, gen, rotary = stream_inputs(attn)
+    default = Cosmos3AttnProcessor()
+    if backend != "TORCH_SDPA":
+        default._attention_backend = BACKEND
+        set_dispatch_config({"default": {"backend": backend}})
+    try:
+        expected = traced_ops(default, attn, und, gen, rotary)
+    finally:
+        set_dispatch_config(None)
+    with enable_trtllm_attention(transformer, {"default": {"backend": backend}}, collect_stats=False):
+        ours = traced_ops(attn.processor, attn, und, gen, rotary)
+    if attn.k_norm_und_for_gen is None:
+        cos, sin = (x.unsqueeze(1) for x in rotary[:2])
+        k_und = torch.randn(und.shape[0], attn.num_key_value_heads, attn.head_dim)
+        expected -= traced_ops(lambda: k_und * cos + _rotate_half(k_und) * sin)
+    assert ours == expected
+    assert backend == "TORCH_SDPA" or ours["diffusers_trtllm.attention"] == 2

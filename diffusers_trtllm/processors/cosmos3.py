@@ -53,11 +53,13 @@ class Cosmos3TrtllmAttnProcessor(TrtllmAttnProcessor, Cosmos3AttnProcessor):
         q_gen = attn.norm_added_q(attn.add_q_proj(gen_seq).view(-1, heads_q, head_dim))
         k_gen = attn.norm_added_k(attn.add_k_proj(gen_seq).view(-1, heads_kv, head_dim))
         v_gen = attn.add_v_proj(gen_seq).view(-1, heads_kv, head_dim)
-        k_und_for_gen = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not None else k_und
+        k_und_for_gen = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not None else None
 
         cos_und, sin_und, cos_gen, sin_gen = (x.unsqueeze(1) for x in rotary_emb)
         q_und, k_und = _rotary(q_und, cos_und, sin_und), _rotary(k_und, cos_und, sin_und)
-        k_und_for_gen = _rotary(k_und_for_gen, cos_und, sin_und)
+        # Text keys without a norm of their own for the generation stream are the text stream's: diffusers rotates
+        # them a second time (the same values), this reuses them.
+        k_und_for_gen = k_und if k_und_for_gen is None else _rotary(k_und_for_gen, cos_und, sin_und)
         q_gen, k_gen = _rotary(q_gen, cos_gen, sin_gen), _rotary(k_gen, cos_gen, sin_gen)
 
         und_out = self.attend("und_causal", q_und[None], k_und[None], v_und[None])
