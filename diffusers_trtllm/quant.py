@@ -46,7 +46,12 @@ class SageSemantics:
     ``skip_sample``: ``(every, pays_from)`` where the kernel skips only in the heads where skipping pays: each
     (sequence, head)'s every ``every``-th query tile (from the first) skips; its other query tiles skip only if
     those skipped at least a fraction ``pays_from`` of their KV tiles, and are attended dense otherwise. ``None``:
-    every query tile skips."""
+    every query tile skips.
+
+    ``q_padded_to_kv``: the kernel runs a sequence with fewer queries than keys as self-attention on its keys, its
+    queries followed by zero query rows up to its key length (quantized and attended like the real rows, so a
+    query tile holding both skips only where the zero rows' rule allows it too); the zero rows' outputs are
+    dropped."""
 
     dtype_qk: str
     q_block: int
@@ -57,6 +62,7 @@ class SageSemantics:
     fp8_accumulator_bits: int | None = None
     skip_tile: tuple[int, int] | None = None
     skip_sample: tuple[int, float] | None = None
+    q_padded_to_kv: bool = False
 
 
 def scale_of(amax: torch.Tensor, q_max: float) -> torch.Tensor:

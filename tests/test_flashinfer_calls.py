@@ -219,7 +219,8 @@ def test_blackwell_sage_calls(monkeypatch, recording, arch, dtype_qk, k_block):
 @pytest.mark.parametrize("quant,lengths,kernel", [
     (AttnQuantSpec(dtype_qk="int8"), ((300, 200), (300, 200)), "triton"),
     (AttnQuantSpec(dtype_qk="fp8_e4m3", q_block_size=1, k_block_size=16), ((300, 200), (300, 200)), "triton"),
-    (AttnQuantSpec(dtype_qk="fp8_e4m3"), ((300, 200), (300, 512)), "triton"),
+    (AttnQuantSpec(dtype_qk="fp8_e4m3"), ((300, 600), (300, 512)), "triton"),  # a sequence with more queries
+    (AttnQuantSpec(dtype_qk="fp8_e4m3"), ((300, 200), (300, 512)), "fmha_v2"),  # fewer: zero-padded queries
     (AttnQuantSpec(dtype_qk="fp8_e4m3"), ((300, 200), (300, 200)), "fmha_v2"),
     (AttnQuantSpec(dtype_qk="fp8_e4m3", q_block_size=64, k_block_size=128), ((300, 200), (300, 200)), "fmha_v2")])
 def test_sm90_sage_routes_by_dtype_blocks_and_lengths(monkeypatch, recording, quant, lengths, kernel):

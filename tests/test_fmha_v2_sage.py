@@ -208,34 +208,36 @@ def test_default_spec_and_dict_still_work():
     assert (spec.q_block_size, spec.k_block_size) == (64, 128)
 
 
-@pytest.mark.parametrize("quant,equal,words", [
-    (AttnQuantSpec("int8", 64, 64), True, ["no int8 kernel on sm_90", "[1, 4, 16]"]),
-    (AttnQuantSpec("fp8_e4m3", 64, 16), True, ["mix two sm_90 kernels", "q 64 with k [64, 128]"]),
-    (AttnQuantSpec("fp8_e4m3", 64, 64), False, ["self-attention only", "unequal"]),
+@pytest.mark.parametrize("quant,more_queries,words", [
+    (AttnQuantSpec("int8", 64, 64), False, ["no int8 kernel on sm_90", "[1, 4, 16]"]),
+    (AttnQuantSpec("fp8_e4m3", 64, 16), False, ["mix two sm_90 kernels", "q 64 with k [64, 128]"]),
+    (AttnQuantSpec("fp8_e4m3", 64, 64), True, ["at most as many queries as keys", "more queries than keys"]),
 ])
-def test_hopper_refusals_name_what_the_gpu_offers(quant, equal, words):
-    reason = trtllm._sage_block_reason(quant, "sm_90", equal)
+def test_hopper_refusals_name_what_the_gpu_offers(quant, more_queries, words):
+    reason = trtllm._sage_block_reason(quant, "sm_90", more_queries)
     assert all(word in reason for word in words), reason
 
 
 @pytest.mark.parametrize("arch", ["sm_100", "sm_103"])
 def test_blackwell_refuses_fmha_v2_blocks(arch):
-    reason = trtllm._sage_block_reason(AttnQuantSpec("fp8_e4m3", 64, 64), arch, True)
+    reason = trtllm._sage_block_reason(AttnQuantSpec("fp8_e4m3", 64, 64), arch, False)
     assert "q block [1]" in reason and arch in reason
 
 
 def test_semantics_by_gpu(monkeypatch):
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
     fp8 = AttnQuantSpec("fp8_e4m3")
-    assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20)) == SageSemantics(
-        "fp8_e4m3", 64, trtllm.FMHA_V2_DEFAULT_K_BLOCK, p_scale=256.0, kv_step=256, fp8_accumulator_bits=14,
-        skip_tile=(64, 128))
-    # the Triton kernel: skip decisions per its dense launch's tile, in the heads where its sample finds they pay;
+    fmha_v2 = SageSemantics("fp8_e4m3", 64, trtllm.FMHA_V2_DEFAULT_K_BLOCK, p_scale=256.0, kv_step=256,
+                            fp8_accumulator_bits=14, skip_tile=(64, 128), q_padded_to_kv=True)
+    assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20)) == fmha_v2
+    assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (20, 20)) == fmha_v2  # fewer queries: zero-padded
+    # more queries than keys, the Triton kernel: skip decisions per its dense launch's tile, in the heads where its
+    # sample finds they pay;
     # the sample: every other query tile of a short sequence, and at Wan's shape (75,600 tokens, 40 heads, 1,182
     # tiles of 64 rows) 13 tiles per head, 520 programs, two waves of an H200's 132 SMs × 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    assert trtllm.sage_semantics(fp8, "cuda", (10,), (20,)) == SageSemantics(
+    assert trtllm.sage_semantics(fp8, "cuda", (20,), (10,)) == SageSemantics(
         "fp8_e4m3", 1, 16, skip_tile=(64, 128), skip_sample=(2, 0.30))
     assert trtllm.sage_semantics(AttnQuantSpec("int8"), "cuda", (75600,), (75600,), heads=40) == SageSemantics(
         "int8", 1, 16, skip_tile=(64, 128), skip_sample=(91, 0.30))
@@ -476,13 +478,13 @@ def test_gpu_skips_halves_of_a_kv_step_where_only_one_half_is_negligible():
 
 
 @pytest.mark.gpu
-def test_gpu_unequal_lengths_run_on_the_triton_kernel():
+def test_gpu_more_queries_than_keys_run_on_the_triton_kernel():
     _hopper()
-    q = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(512, 4, 128, device="cuda", dtype=torch.bfloat16)
-    qkv = VarlenQKV(q, kv, kv.clone(), (300,), (512,))
+    q = torch.randn(512, 4, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16)
+    qkv = VarlenQKV(q, kv, kv.clone(), (512,), (300,))
     plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=AttnQuantSpec("fp8_e4m3"))
-    assert trtllm.sage_semantics(plan.quant, q.device, (300,), (512,)).q_block == 1
+    assert trtllm.sage_semantics(plan.quant, q.device, (512,), (300,)).q_block == 1
     out = run_backend("TRTLLM_ATTN", qkv, plan).out
     ref = run_backend("TORCH_REFERENCE", qkv, plan).out
     assert _rel(out, ref) < 1.6e-2

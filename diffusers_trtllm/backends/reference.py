@@ -106,6 +106,15 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     With ``quant.skip_sample`` (the Triton kernel's rule), a head's query tiles other than every ``every``-th skip
     only if those sampled tiles skipped at least ``pays_from`` of their KV tiles, and are attended dense otherwise.
     """
+    if quant is not None and quant.q_padded_to_kv and q.shape[0] != k.shape[0]:
+        if causal or q.shape[0] > k.shape[0]:
+            raise ValueError(f"SageSemantics.q_padded_to_kv pads queries to the keys in non-causal attention; got "
+                             f"{q.shape[0]} queries on {k.shape[0]} keys, causal={causal}")
+        zeros = q.new_zeros(k.shape[0] - q.shape[0], *q.shape[1:])
+        out, skipped, tiles = reference_attention(torch.cat([q, zeros]), k, v, scale, skip_lambda=skip_lambda,
+                                                  quant=quant, tile=tile, kv_step=kv_step, query_chunk=query_chunk,
+                                                  k_mean=k_mean, v_scale=v_scale)
+        return out[:q.shape[0]], skipped, tiles
     sample = quant.skip_sample if quant is not None else None
     if skip_lambda == 0.0 or sample is None:
         out, skipped, tiles = _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step,

@@ -7,8 +7,9 @@ GPU                 dense / Skip-Softmax                        SAGE (per-block 
 ==================  ==========================================  =================================================
 sm_90 (H100/H200)   FlashInfer ``trtllm_fmha_v2_prefill``       fp8: TRT-LLM FMHAv2's warp-specialized SAGE kernel
                     (FMHAv2, JIT-built once per machine)        (``kernels.fmha_v2_sage``, Q block 64, K block
-                                                                64/128 or per head, self-attention); int8, Q/K blocks 1/4/16
-                                                                or unequal lengths: ``kernels.triton_sage``
+                                                                64/128 or per head, no more queries than keys);
+                                                                int8, Q/K blocks 1/4/16 or more queries than
+                                                                keys: ``kernels.triton_sage``
 sm_100 (B200)       FlashInfer ``trtllm_ragged_attention_       FlashInfer ``trtllm_sage_attention_quantize``
 sm_103 (B300)       deepseek`` (trtllm-gen cubins)              + trtllm-gen; int8 Q/K on sm_100 only
 anything else       none: the check says so                     none
@@ -123,11 +124,13 @@ def sage_specs_with_kernels(arch: str) -> list[AttnQuantSpec]:
     return [AttnQuantSpec(dtype_qk=dtype) for dtype in SAGE_QK_DTYPES_BY_ARCH.get(arch, ())]
 
 
-def sage_block_sizes(arch: str | None, dtype_qk: str, equal_lengths: bool = True) -> dict[str, tuple[int, ...]]:
+def sage_block_sizes(arch: str | None, dtype_qk: str,
+                     more_queries_than_keys: bool = False) -> dict[str, tuple[int, ...]]:
     """Q and K block sizes with a compiled SAGE kernel for ``dtype_qk`` on ``arch`` (``{"q": ..., "k": ...}``;
-    on Hopper FMHAv2's Q block 64 serves self-attention only, so ``equal_lengths`` says whether it counts)."""
+    on Hopper FMHAv2's Q block 64 serves sequences with at most as many queries as keys, so
+    ``more_queries_than_keys`` (some sequence of the call has more) rules it out)."""
     if arch in FMHA_V2_ARCHS:
-        fmha = dtype_qk == "fp8_e4m3" and equal_lengths
+        fmha = dtype_qk == "fp8_e4m3" and not more_queries_than_keys
         return {"q": TRITON_SAGE_BLOCKS + ((fmha_v2_sage.Q_BLOCK,) if fmha else ()),
                 "k": TRITON_SAGE_BLOCKS + (FMHA_V2_USER_K_BLOCKS if fmha else ())}
     if arch in TRTLLM_GEN_ARCHS:
@@ -135,13 +138,14 @@ def sage_block_sizes(arch: str | None, dtype_qk: str, equal_lengths: bool = True
     return {"q": TRITON_SAGE_BLOCKS, "k": TRITON_SAGE_BLOCKS}
 
 
-def _equal_lengths(seqlens_q, seqlens_kv) -> bool:
-    return tuple(seqlens_q) == tuple(seqlens_kv)
+def _more_queries_than_keys(seqlens_q, seqlens_kv) -> bool:
+    return any(n_q > n_kv for n_q, n_kv in zip(seqlens_q, seqlens_kv))
 
 
-def _hopper_sage_kernel(quant: AttnQuantSpec, equal_lengths: bool) -> str:
-    """``"fmha_v2"`` or ``"triton"``: which Hopper SAGE kernel serves ``quant``."""
-    if quant.dtype_qk != "fp8_e4m3" or not equal_lengths:
+def _hopper_sage_kernel(quant: AttnQuantSpec, more_queries_than_keys: bool) -> str:
+    """``"fmha_v2"`` or ``"triton"``: which Hopper SAGE kernel serves ``quant`` (FMHAv2 runs fewer queries than
+    keys with zero queries after them, not more)."""
+    if quant.dtype_qk != "fp8_e4m3" or more_queries_than_keys:
         return "triton"
     if quant.q_block_size is None:
         return "fmha_v2" if quant.k_block_size in (None, *FMHA_V2_USER_K_BLOCKS) else "triton"
@@ -160,7 +164,8 @@ def fmha_v2_sage_semantics(k_block: int, kv_step: int = FMHA_V2_KV_STEP,
     """What the FMHAv2 SAGE kernel with K scale block ``k_block`` and ``kv_step`` keys per step computes
     (``fp8_accumulator_bits`` None: the same with exact sums, a reference for comparison)."""
     return SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, k_block, p_scale=fmha_v2_sage.P_SCALE, kv_step=kv_step,
-                         fp8_accumulator_bits=fp8_accumulator_bits, skip_tile=fmha_v2_sage.SKIP_TILE)
+                         fp8_accumulator_bits=fp8_accumulator_bits, skip_tile=fmha_v2_sage.SKIP_TILE,
+                         q_padded_to_kv=True)
 
 
 def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(1,), seqlens_kv=(1,), heads: int = 1,
@@ -170,9 +175,9 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     Triton kernel's sample of query tiles). On a device without TRT-LLM kernels: this package's Triton kernel's
     semantics, with unset blocks as :data:`PORTABLE_BLOCKS`, deciding skips per ``tile``."""
     arch = gpu_arch(device)
-    equal = _equal_lengths(seqlens_q, seqlens_kv)
+    more_queries = _more_queries_than_keys(seqlens_q, seqlens_kv)
     unset = quant.q_block_size is None or quant.k_block_size is None
-    if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, equal) == "fmha_v2":
+    if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, more_queries) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
         semantics = fmha_v2_sage_semantics(k_block)
         kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
@@ -213,17 +218,17 @@ def _common_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     return None
 
 
-def _sage_block_reason(quant: AttnQuantSpec, arch: str, equal_lengths: bool) -> str | None:
+def _sage_block_reason(quant: AttnQuantSpec, arch: str, more_queries_than_keys: bool) -> str | None:
     """Why ``quant``'s explicit dtype or block sizes have no kernel on ``arch``, naming what it offers."""
     dtypes = SAGE_QK_DTYPES_BY_ARCH[arch]
     if quant.dtype_qk not in dtypes:
         return (f"SAGE with {quant.dtype_qk} Q/K has no kernel on {arch}; it has {list(dtypes)} "
                 f"(valid dtypes in general: {list(QK_DTYPES)})")
-    offered = sage_block_sizes(arch, quant.dtype_qk, equal_lengths)
+    offered = sage_block_sizes(arch, quant.dtype_qk, more_queries_than_keys)
     if quant.q_block_size is not None and quant.q_block_size not in offered["q"]:
-        return _blocks_text(quant, arch, offered, equal_lengths)
+        return _blocks_text(quant, arch, offered, more_queries_than_keys)
     if quant.k_block_size is not None and quant.k_block_size not in offered["k"]:
-        return _blocks_text(quant, arch, offered, equal_lengths)
+        return _blocks_text(quant, arch, offered, more_queries_than_keys)
     if arch in FMHA_V2_ARCHS and None not in (quant.q_block_size, quant.k_block_size):
         fmha_q = quant.q_block_size == fmha_v2_sage.Q_BLOCK
         fmha_k = quant.k_block_size in FMHA_V2_USER_K_BLOCKS
@@ -234,10 +239,10 @@ def _sage_block_reason(quant: AttnQuantSpec, arch: str, equal_lengths: bool) -> 
     return None
 
 
-def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, equal_lengths: bool) -> str:
-    note = "" if equal_lengths or arch not in FMHA_V2_ARCHS else (
-        f" (FMHAv2's q block {fmha_v2_sage.Q_BLOCK} serves self-attention only: this call has unequal query and key "
-        "lengths)")
+def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, more_queries_than_keys: bool) -> str:
+    note = "" if not more_queries_than_keys or arch not in FMHA_V2_ARCHS else (
+        f" (FMHAv2's q block {fmha_v2_sage.Q_BLOCK} serves sequences with at most as many queries as keys: this "
+        "call has a sequence with more queries than keys)")
     return (f"SAGE blocks q={quant.q_block_size}, k={quant.k_block_size} have no {quant.dtype_qk} kernel on {arch}; "
             f"compiled: q block {list(offered['q'])}, k block {list(offered['k'])}{note}; leave the block sizes "
             "unset for the fastest")
@@ -247,11 +252,11 @@ def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     quant = plan.quant
     if quant is None:
         return flashinfer_unavailable_reason(FMHA_V2)
-    equal = _equal_lengths(qkv.seqlens_q, qkv.seqlens_kv)
-    reason = _sage_block_reason(quant, "sm_90", equal)
+    more_queries = _more_queries_than_keys(qkv.seqlens_q, qkv.seqlens_kv)
+    reason = _sage_block_reason(quant, "sm_90", more_queries)
     if reason is not None:
         return reason
-    if _hopper_sage_kernel(quant, equal) == "fmha_v2":
+    if _hopper_sage_kernel(quant, more_queries) == "fmha_v2":
         return flashinfer_unavailable_reason(FMHA_V2)  # the generator and JIT come from the same FlashInfer
     return triton_sage.triton_sage_unavailable_reason(qkv.q, qkv.k, qkv.v, causal=plan.causal,
                                                       skip_tile=TRITON_SKIP_TILE_SM90 if plan.skips else None)
@@ -259,7 +264,7 @@ def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
 
 def _blackwell_reason(plan: KernelPlan, qkv: VarlenQKV, arch: str) -> str | None:
     if plan.quant is not None:
-        reason = _sage_block_reason(plan.quant, arch, True)
+        reason = _sage_block_reason(plan.quant, arch, False)
         if reason is not None:
             return reason
         return flashinfer_unavailable_reason(SAGE_QUANTIZE) or flashinfer_unavailable_reason(TRTLLM_GEN)
@@ -295,8 +300,9 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile)
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
-        out = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), tuple(qkv.seqlens_q),
-                                                  plan.scale, k_block=semantics.k_block,
+        out = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), tuple(qkv.seqlens_kv),
+                                                  plan.scale, cu_seqlens_q=qkv.cu_seqlens("q"),
+                                                  seqlens_q=tuple(qkv.seqlens_q), k_block=semantics.k_block,
                                                   kv_step=semantics.kv_step, skip_factor=plan.skip_factor)
         return KernelResult(out)
     out, skipped, total = triton_sage.triton_sage_attention(

@@ -21,8 +21,12 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart
   (``half_step_skip.patch``), or 128); the first KV step is never skipped.
 
-The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so every
-sequence has as many queries as keys (self-attention), and V already transposed (``v_layout.patch``).
+The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
+every sequence with as many queries as keys, and V already transposed (``v_layout.patch``). A sequence with fewer
+queries than keys (Cosmos 3's generation stream: its queries on text + generation keys) runs with its queries
+at the start of its key rows and zero queries after them (the quantizer writes them in place): the zero rows'
+scores are all 0, never below their running max, so a 64-row tile holding any of them never skips, and their
+output rows are dropped. The reference models this with ``SageSemantics.q_padded_to_kv``.
 GPUs: sm_90 only (wgmma, TMA, setmaxnreg).
 """
 
@@ -274,12 +278,13 @@ def load_module():
 class PackedSage(NamedTuple):
     """Q, K, V quantized for the kernel.
 
-    ``qk``: ``[T, Hq + Hkv, 128]`` float8_e4m3fn (Q heads, then K heads, per token); ``v_t``: ``[Hkv, 128,
+    ``qk``: ``[T, Hq + Hkv, 128]`` float8_e4m3fn (Q heads, then K heads, per key token; sequence ``i``'s queries
+    from its first key row, zero rows after them up to its key length); ``v_t``: ``[Hkv, 128,
     columns]`` float8_e4m3fn, V transposed in :func:`~diffusers_trtllm.kernels.triton_sage.quantize_into`'s
     ``v_fmha_v2_order`` (sequence ``i`` from column ``v_starts[i]``, zeros between sequences); ``v_starts``:
     ``[B + 1]`` int32; ``q_scale``: ``[B, Hq, ceil(max_len / 64)]`` float32 (times K's scale when ``k_block`` is
     0); ``k_scale``: ``[B, Hq, ceil(max_len / k_block)]`` float32 per query head (empty when ``k_block`` is 0);
-    ``v_scale``: ``[B, Hkv, 128]`` float32.
+    ``v_scale``: ``[B, Hkv, 128]`` float32. ``max_len``: the longest key sequence.
     """
 
     qk: torch.Tensor
@@ -292,14 +297,18 @@ class PackedSage(NamedTuple):
 
 
 def sage_quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                         max_seqlen: int, k_block: int) -> PackedSage:
-    """Quantize a packed self-attention batch for :func:`sage_attention_packed` (one Triton reduction, one
-    Triton pass writing Q and K packed, V transposed, and the scales).
+                         max_seqlen: int, k_block: int, cu_seqlens_q: torch.Tensor | None = None,
+                         max_seqlen_q: int | None = None) -> PackedSage:
+    """Quantize a packed batch for :func:`sage_attention_packed` (one Triton reduction, one Triton pass writing
+    Q and K packed, V transposed, and the scales).
 
-    ``q`` ``[T, Hq, 128]``, ``k``/``v`` ``[T, Hkv, 128]`` bf16/fp16, channels contiguous; ``cu_seqlens``
-    ``[B + 1]`` int32 (queries and keys of sequence ``i`` are rows ``cu_seqlens[i]:cu_seqlens[i + 1]``).
+    ``q`` ``[Tq, Hq, 128]``, ``k``/``v`` ``[T, Hkv, 128]`` bf16/fp16, channels contiguous; ``cu_seqlens``
+    ``[B + 1]`` int32: sequence ``i``'s keys are rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` (``max_seqlen`` the
+    longest); its queries the same rows of ``q``, or with ``cu_seqlens_q`` / ``max_seqlen_q`` rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]``, at most as many as its keys (the caller checks), which land at the
+    start of its key rows in ``qk`` with zero rows after them.
     """
-    tokens, heads_q, heads_kv = q.shape[0], q.shape[1], k.shape[1]
+    tokens, heads_q, heads_kv = k.shape[0], q.shape[1], k.shape[1]
     batch = cu_seqlens.shape[0] - 1
     device = q.device
     qk = torch.empty(tokens, heads_q + heads_kv, HEAD_DIM, dtype=torch.float8_e4m3fn, device=device)
@@ -316,8 +325,11 @@ def sage_quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          device=device)
     v_scale = torch.empty(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
     targets = triton_sage.QuantizeTargets(qk[:, :heads_q], q_scale, qk[:, heads_q:], k_scale, v_t, v_scale,
-                                          scales_by_sequence=True, v_transposed=True, v_fmha_v2_order=True)
-    triton_sage.quantize_into(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, targets,
+                                          scales_by_sequence=True, v_transposed=True, v_fmha_v2_order=True,
+                                          q_padded_to_kv=True)
+    if cu_seqlens_q is None:
+        cu_seqlens_q, max_seqlen_q = cu_seqlens, max_seqlen
+    triton_sage.quantize_into(q, k, v, cu_seqlens_q, cu_seqlens, max_seqlen_q, max_seqlen, targets,
                               dtype_qk="fp8_e4m3", q_block=Q_BLOCK, k_block=k_block)
     if heads_q != heads_kv and k_block:  # the kernel indexes K scales by query head
         k_scale = k_scale.repeat_interleave(heads_q // heads_kv, dim=1)
@@ -326,7 +338,8 @@ def sage_quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 
 def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens: tuple[int, ...], heads_q: int,
                           scale: float, skip_factor: float = 0.0, kv_step: int = 256) -> torch.Tensor:
-    """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output. Returns ``[T, Hq, 128]`` bf16 with V's
+    """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output, ``cu_seqlens`` / ``seqlens`` its key
+    lengths. Returns ``[T, Hq, 128]`` bf16 at the keys' layout (the rows of zero queries included) with V's
     per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i)."""
     heads_kv = packed.qk.shape[1] - heads_q
     out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=packed.qk.device)
@@ -340,21 +353,43 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
 
 
 def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           seqlens: tuple[int, ...], scale: float, *, k_block: int = 64, kv_step: int = 256,
+                           seqlens: tuple[int, ...], scale: float, *, cu_seqlens_q: torch.Tensor | None = None,
+                           seqlens_q: tuple[int, ...] | None = None, k_block: int = 64, kv_step: int = 256,
                            skip_factor: float = 0.0) -> torch.Tensor:
     """SAGE attention (FP8 e4m3 Q/K/V, per-block Q/K scales, per-channel V) with optional Skip-Softmax on
     Hopper through TRT-LLM FMHAv2's warp-specialized kernel; quantization included.
 
-    ``q``: ``[T, Hq, 128]``, ``k``/``v``: ``[T, Hkv, 128]`` bf16 (fp16 accepted), ragged self-attention: sequence
-    ``i`` owns rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` of all three (``cu_seqlens`` ``[B + 1]`` int32 on the
-    tensors' device; ``seqlens`` the same lengths as host ints). ``Hq % Hkv == 0``. ``scale``: softmax scale.
-    ``k_block`` / ``kv_step``: a pair of :func:`sage_kernels`; skip decisions are per :data:`SKIP_TILE`.
-    Returns ``[T, Hq, 128]`` bf16. GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels
-    (see :func:`load_module`).
+    ``k``/``v``: ``[T, Hkv, 128]`` bf16 (fp16 accepted), ragged: sequence ``i``'s keys are rows
+    ``cu_seqlens[i]:cu_seqlens[i + 1]`` (``cu_seqlens`` ``[B + 1]`` int32 on the tensors' device; ``seqlens`` the
+    same lengths as host ints). ``q``: ``[T, Hq, 128]`` with the same rows (self-attention), or, given
+    ``cu_seqlens_q`` / ``seqlens_q`` (likewise), ``[Tq, Hq, 128]`` with at most as many queries per sequence as
+    keys; the kernel then runs each sequence on its key length with zero queries after the real ones (module
+    docstring). ``Hq % Hkv == 0``. ``scale``: softmax scale. ``k_block`` / ``kv_step``: a pair of
+    :func:`sage_kernels`; skip decisions are per :data:`SKIP_TILE`. Returns ``[Tq, Hq, 128]`` bf16 (one sequence:
+    a view of the kernel's output; several with fewer queries: one gather of their rows). GPUs: sm_90
+    (H100/H200); the first call on a machine compiles the kernels (see :func:`load_module`).
     """
     if not any(k.k_block == k_block and k.kv_step == kv_step for k in sage_kernels()):
         raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r} has no compiled FMHAv2 SAGE kernel; "
                          f"compiled: {sorted({(k.k_block, k.kv_step) for k in sage_kernels()})}")
+    if (cu_seqlens_q is None) != (seqlens_q is None):
+        raise ValueError("cu_seqlens_q and seqlens_q come together (fewer queries than keys) or not at all "
+                         f"(self-attention); got cu_seqlens_q={'None' if cu_seqlens_q is None else 'a tensor'}, "
+                         f"seqlens_q={seqlens_q!r}")
+    seqlens_q = tuple(seqlens) if seqlens_q is None else tuple(seqlens_q)
+    if len(seqlens_q) != len(seqlens) or any(n_q > n_kv for n_q, n_kv in zip(seqlens_q, seqlens)):
+        raise ValueError(f"seqlens_q={seqlens_q} on seqlens={tuple(seqlens)}: the FMHAv2 SAGE kernel takes, per "
+                         "sequence, at most as many queries as keys")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block)
-    return sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step)
+    padded = seqlens_q != tuple(seqlens)
+    packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block,
+                                  cu_seqlens_q if padded else None, max(seqlens_q) if padded else None)
+    out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step)
+    if not padded:
+        return out
+    if len(seqlens) == 1:
+        return out[:seqlens_q[0]]
+    starts = [0]
+    for n in seqlens[:-1]:
+        starts.append(starts[-1] + n)
+    return torch.cat([out[start:start + n] for start, n in zip(starts, seqlens_q)])

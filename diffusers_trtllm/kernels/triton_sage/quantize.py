@@ -73,6 +73,10 @@ class QuantizeTargets(NamedTuple):
     (its ``Transposer``: LDSM.T, byte permutes, STSM): within each 16-key group of a sequence, column ``4·a + b``
     holds key ``2·a + b % 2 + 8·(b // 2)`` (the order in which FMHAv2 packs P's accumulator into its fp8 P·V
     operand); within each 16-channel group, rows 0-7 hold the even channels and rows 8-15 the odd ones.
+    ``q_padded_to_kv``: ``q`` (and its scales) has the keys' layout, ``[Tk, Hq, D]``: sequence ``i``'s queries go
+    to rows ``cu_seqlens_kv[i]`` onwards, followed by zero rows (scale blocks of them: ``TINY_SCALE / qmax``) up
+    to its key length, so a kernel taking equal query and key lengths serves sequences with fewer queries than
+    keys; every sequence needs at most as many queries as keys.
     """
 
     q: torch.Tensor
@@ -84,6 +88,7 @@ class QuantizeTargets(NamedTuple):
     scales_by_sequence: bool
     v_transposed: bool
     v_fmha_v2_order: bool = False
+    q_padded_to_kv: bool = False
 
 
 def scale_columns(tokens: int, batch: int, block: int) -> int:
@@ -117,7 +122,8 @@ def quantize_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     _kv_stats_kernel[(-(-max_seqlen_kv // (STATS_TOKENS * STATS_CHUNKS)), heads_kv, batch)](
         k, v, k_sum, *k_range, v_amax, cu_seqlens_kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         TOKENS=STATS_TOKENS, CHUNKS=STATS_CHUNKS, HEAD_DIM=HEAD_DIM, K_RANGE=k_block == 0)
-    q_chunks, kv_chunks = -(-max_seqlen_q // tokens), -(-max_seqlen_kv // tokens)
+    q_rows = max_seqlen_kv if targets.q_padded_to_kv else max_seqlen_q  # rows Q programs write per sequence
+    q_chunks, kv_chunks = -(-q_rows // tokens), -(-max_seqlen_kv // tokens)
     seq_stride = (lambda t: t.stride(0)) if targets.scales_by_sequence else (lambda t: 0)
     head_stride = (lambda t: t.stride(1)) if targets.scales_by_sequence else (lambda t: t.stride(0))
     k_scale = targets.q_scale if k_block == 0 else targets.k_scale
@@ -130,7 +136,8 @@ def quantize_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         head_stride(k_scale), seq_stride(k_scale), q_chunks, heads_q, heads_kv,
         QMAX=qmax(dtype_qk), QK_INT8=dtype_qk == "int8",
         Q_BLOCK=q_block, K_BLOCK=k_block, SCALES_BY_SEQUENCE=targets.scales_by_sequence,
-        V_TRANSPOSED=targets.v_transposed, V_FMHA_V2_ORDER=targets.v_fmha_v2_order, TOKENS=tokens, HEAD_DIM=HEAD_DIM, num_warps=4 if tokens <= 64 else 8)
+        V_TRANSPOSED=targets.v_transposed, V_FMHA_V2_ORDER=targets.v_fmha_v2_order,
+        Q_PADDED_TO_KV=targets.q_padded_to_kv, TOKENS=tokens, HEAD_DIM=HEAD_DIM, num_warps=4 if tokens <= 64 else 8)
 
 
 def sage_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -266,9 +273,12 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, 
                           k_scale_seq_stride, q_chunks, heads_q, heads_kv,
                           QMAX: tl.constexpr, QK_INT8: tl.constexpr, Q_BLOCK: tl.constexpr,
                           K_BLOCK: tl.constexpr, SCALES_BY_SEQUENCE: tl.constexpr, V_TRANSPOSED: tl.constexpr,
-                          V_FMHA_V2_ORDER: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                          V_FMHA_V2_ORDER: tl.constexpr, Q_PADDED_TO_KV: tl.constexpr, TOKENS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr):
     """One pass over Q, K, V: programs [0, q_chunks) quantize TOKENS query rows of one head, the rest quantize
     TOKENS key/value rows of one kv head (K smoothed by k_sum / length; V by v_amax / 448).
+    Q_PADDED_TO_KV: query rows are written from the sequence's first key row up to its key length, zeros past
+    its queries (:class:`QuantizeTargets`).
 
     K_BLOCK 0: one K scale per sequence and head (from the K range statistics), folded into Q's block scales;
     no K scales are stored. V_TRANSPOSED: V goes to the attention kernel's ``[Hkv, D, columns]`` layout (strides
@@ -279,10 +289,16 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, 
     if chunk < q_chunks:
         start = tl.load(cu_q_ptr + seq)
         length = tl.load(cu_q_ptr + seq + 1) - start
-        if chunk * TOKENS >= length or head >= heads_q:
+        if Q_PADDED_TO_KV:
+            out_start = tl.load(cu_kv_ptr + seq)
+            out_length = tl.load(cu_kv_ptr + seq + 1) - out_start
+        else:
+            out_start, out_length = start, length
+        if chunk * TOKENS >= out_length or head >= heads_q:
             return
         tokens = chunk * TOKENS + tl.arange(0, TOKENS)
         rows = (start + tokens).to(tl.int64)[:, None]
+        # rows past the queries load as 0: the zero padding (and a partial last block's fill)
         q = tl.load(q_ptr + rows * stride_qt + head * stride_qh + dims[None, :], mask=(tokens < length)[:, None],
                     other=0.0).to(tl.float32)
         if K_BLOCK == 0:
@@ -293,9 +309,9 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, 
         else:
             k_scale = 1.0
         _store_token_blocks(q, q_out_ptr, q_scale_ptr, stride_q_out_t, head * stride_q_out_h,
-                            _block_scale_offset(seq, start, head, q_scale_head_stride, q_scale_seq_stride, Q_BLOCK,
-                                                SCALES_BY_SEQUENCE),
-                            k_scale, start, chunk * TOKENS, length, QMAX, QK_INT8, Q_BLOCK, TOKENS, HEAD_DIM)
+                            _block_scale_offset(seq, out_start, head, q_scale_head_stride, q_scale_seq_stride,
+                                                Q_BLOCK, SCALES_BY_SEQUENCE),
+                            k_scale, out_start, chunk * TOKENS, out_length, QMAX, QK_INT8, Q_BLOCK, TOKENS, HEAD_DIM)
     else:
         chunk -= q_chunks
         start = tl.load(cu_kv_ptr + seq)
