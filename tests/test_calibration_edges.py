@@ -1,5 +1,6 @@
 """One-pass Skip-Softmax counting (``calibration.skip_gaps`` / ``count_skips``) at its edges: unequal query and
-key heads (GQA), a gap exactly at log λ, and sizes past its query and key chunks, against the reference backend."""
+key heads (GQA), a gap exactly at log λ, sizes past its query and key chunks, causal rows that see no key, against
+the reference backend; and the precision the gaps are computed in."""
 
 import math
 
@@ -60,3 +61,23 @@ def test_counts_past_the_query_and_key_chunks_equal_the_reference(causal):
     expected = [int(reference_attention(q, k, v, 32 ** -0.5, causal=causal, skip_lambda=lam, tile=(64, 128))[1])
                 for lam in lambdas]
     assert count_skips(gaps, lambdas).tolist() == expected
+
+
+def test_causal_counts_with_more_queries_than_keys_equal_the_reference():
+    """Bottom-right causal on 300 queries × 200 keys: the first 100 rows see no key, so their tiles are masked
+    (skipped for every λ) from the first KV tile on, before any running max exists."""
+    q, k = peaky(300, 2), peaky(200, 2)
+    v = torch.randn(200, 2, 32, dtype=torch.float64)
+    lambdas = [0.01, 0.3, 1.0]
+    counts = count_skips(skip_gaps(q, k, 32 ** -0.5, tile=(64, 64), causal=True), lambdas).tolist()
+    expected = [int(reference_attention(q, k, v, 32 ** -0.5, causal=True, skip_lambda=lam, tile=(64, 64))[1])
+                for lam in lambdas]
+    assert counts == expected
+
+
+@pytest.mark.parametrize("dtype,gap_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.float32)])
+def test_gaps_are_float64_for_float64_inputs_and_float32_otherwise(dtype, gap_dtype):
+    q, k = peaky(128, 1).to(dtype), peaky(256, 1).to(dtype)
+    assert skip_gaps(q, k, 32 ** -0.5).dtype == gap_dtype
+

@@ -64,8 +64,8 @@ def skip_gaps(q: torch.Tensor, k: torch.Tensor, scale: float, *, tile: tuple[int
         if tiles_per_step > 1:  # the running max at each tile's step start
             step_start = torch.arange(running.shape[-1], device=running.device) // tiles_per_step * tiles_per_step
             running = running[..., step_start]
-        gap = torch.where(running == -math.inf, math.inf, tile_max - running)
-        gap = torch.where(tile_max == -math.inf, -math.inf, gap)
+        # no running max yet: tile_max - (-inf) is +inf, so no λ skips; a masked tile is -inf, so every λ does
+        gap = torch.where(tile_max == -math.inf, -math.inf, tile_max - running)
         # padding rows of the last query tile never block a skip
         gap = torch.nn.functional.pad(gap, (0, 0, 0, -rows % tq), value=-math.inf)
         gaps.append(gap.view(hq, -1, tq, gap.shape[-1]).amax(dim=2))
