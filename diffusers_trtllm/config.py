@@ -11,8 +11,9 @@ Specs are immutable and validated on construction; every error names the field, 
 Nothing here looks at the GPU: whether a backend can run is decided when a plan is made (``plan.py``).
 
 This package's extensions beyond vLLM-Omni's schema (its own parser refuses them as unknown keys): a spec's
-``accuracy`` (:class:`AccuracySpec`: the accuracy probe and its guard) and the SAGE step schedule
-``quant.disabled_until_timestep`` / ``quant.disabled_below_timestep`` (:class:`AttnQuantSpec`).
+``accuracy`` (:class:`AccuracySpec`: the accuracy probe and its guard), its ``dense_kernel`` (Hopper's dense
+kernel under ``TRTLLM_ATTN``) and the SAGE step schedule ``quant.disabled_until_timestep`` /
+``quant.disabled_below_timestep`` (:class:`AttnQuantSpec`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ BACKEND_ALIASES = {"TRTLLM-GEN": TRTLLM_ATTN, "TRTLLM_GEN": TRTLLM_ATTN, "TRTLLM
                    "REFERENCE": TORCH_REFERENCE}
 # Backends that implement Skip-Softmax and SAGE; TORCH_SDPA is a dense baseline only.
 FEATURE_BACKENDS = (AUTO, TRTLLM_ATTN, TORCH_REFERENCE)
+
+# The dense kernels TRTLLM_ATTN runs on Hopper (sm_90) at steps without SAGE or Skip-Softmax: FlashInfer's FMHAv2,
+# FlashAttention-4 (pip flash-attn-4), cuDNN through torch SDPA; "auto" takes the fastest that runs.
+FMHA_V2_DENSE, FLASH_ATTN4, CUDNN = "fmha_v2", "flash_attn4", "cudnn"
+DENSE_KERNELS = (AUTO, FMHA_V2_DENSE, FLASH_ATTN4, CUDNN)
 
 QK_DTYPES = ("int8", "fp8_e4m3")
 SAGE_BLOCK_SIZES = (1, 4, 16)  # Q/K blocks of the Triton kernel and trtllm-gen (K)
@@ -241,12 +247,18 @@ class AccuracySpec:
 @dataclass(frozen=True)
 class AttentionSpec:
     """One attention setting: a backend, optionally with Skip-Softmax and/or SAGE quantization, and the accuracy
-    probe (``accuracy``, this package's extension)."""
+    probe (``accuracy``, this package's extension).
+
+    ``dense_kernel`` (this package's extension): which kernel ``TRTLLM_ATTN`` runs on Hopper at steps without SAGE
+    or Skip-Softmax (:data:`DENSE_KERNELS`; ``auto``: FlashAttention-4 where installed, else cuDNN). A kernel
+    other than ``auto`` pins it (for A/B measurements) and needs ``backend`` TRTLLM_ATTN; one that cannot run on
+    the GPU raises at install."""
 
     backend: str = AUTO
     skip_softmax: SkipSoftmaxSpec | None = None
     quant: AttnQuantSpec | None = None
     accuracy: AccuracySpec | None = None
+    dense_kernel: str = AUTO
 
     def __post_init__(self):
         object.__setattr__(self, "backend", canonical_backend(self.backend))
@@ -262,6 +274,12 @@ class AttentionSpec:
             raise invalid("quant", self.quant, "an AttnQuantSpec, a dict or null")
         if self.quant is not None and not self.quant.enabled:
             object.__setattr__(self, "quant", None)
+        if self.dense_kernel not in DENSE_KERNELS:
+            raise invalid("dense_kernel", self.dense_kernel, f"one of {list(DENSE_KERNELS)} (Hopper's dense kernel "
+                          "under TRTLLM_ATTN; 'auto' takes the fastest that runs)")
+        if self.dense_kernel != AUTO and self.backend != TRTLLM_ATTN:
+            raise invalid("dense_kernel", self.dense_kernel, f"'auto' with backend={self.backend!r}: it chooses "
+                          f"{TRTLLM_ATTN}'s dense kernel on Hopper, so set backend {TRTLLM_ATTN!r} to pin one")
         if self.backend not in FEATURE_BACKENDS:
             for name, value in (("skip_softmax", self.skip_softmax), ("quant", self.quant)):
                 if value is not None:
@@ -276,8 +294,8 @@ class AttentionSpec:
     @classmethod
     def from_dict(cls, data: Mapping) -> "AttentionSpec":
         if not isinstance(data, Mapping):
-            raise invalid("spec", data, "a mapping with keys backend, skip_softmax, quant, accuracy")
-        _reject_unknown_keys("spec", data, ["backend", "skip_softmax", "quant", "accuracy"])
+            raise invalid("spec", data, "a mapping with keys backend, skip_softmax, quant, accuracy, dense_kernel")
+        _reject_unknown_keys("spec", data, ["backend", "skip_softmax", "quant", "accuracy", "dense_kernel"])
         return cls(**data)
 
     def to_dict(self) -> dict:

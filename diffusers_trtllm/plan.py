@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 import torch
 
 from .backends import select_backend
-from .backends.trtllm import sage_semantics
+from .backends.trtllm import dense_kernel_of, dense_route, sage_semantics
 from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV, get_backend
 from .calibration.curve import SkipCalibration
 from .config import (AUTO, TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttentionSpec, AttnQuantSpec,
@@ -102,9 +102,12 @@ class AttentionCall:
     #: the op's arguments derived from the above, computed once (not on the traced path)
     quant_arg: str = field(init=False)
     per_kv_len: bool = field(init=False)
+    #: the Hopper dense kernel the route names ("" where the backend has one): what dense steps run
+    dense_kernel: str = field(init=False)
 
     def __post_init__(self):
         self.route = self.route or self.backend
+        self.dense_kernel = dense_kernel_of(self.route)
         self.quant_arg = encode_quant(self.quant)
         # λ is given (``threshold``): the op multiplies it by the call's longest key length.
         self.per_kv_len = self.skip is not None and self.skip.threshold is not None
@@ -138,10 +141,11 @@ class AttentionCall:
 
     def mode(self, skipping: bool, quantized: bool | None = None) -> str:
         """Short name of what runs: ``dense``, ``skip``, ``sage-int8``, ``sage-fp8_e4m3+skip``... (``quantized``:
-        whether SAGE runs; None: whenever the call has it)."""
+        whether SAGE runs; None: whenever the call has it); ``dense[flash_attn4]`` names Hopper's dense kernel."""
         quantized = self.quant is not None if quantized is None else quantized and self.quant is not None
         parts = [f"sage-{self.quant.dtype_qk}"] if quantized else []
-        return "+".join(parts + (["skip"] if skipping else [])) or "dense"
+        return "+".join(parts + (["skip"] if skipping else [])) or (
+            f"dense[{self.dense_kernel}]" if self.dense_kernel else "dense")
 
     def current_mode(self) -> str:
         """What this step runs, from ``settings``."""
@@ -253,6 +257,13 @@ class CallPlanner:
         requested_skip = skip
         if choice.dropped:
             skip, quant, calibration = None, None, None
+        route = choice.route
+        if route == TRTLLM_ATTN:
+            try:
+                route = dense_route(device, spec.dense_kernel)
+            except BackendUnavailableError as e:
+                raise BackendUnavailableError(
+                    f"{site.qualified_layer} ({site.role} attention, per_role key {key!r}): {e}") from None
         if quant is not None and (quant.scheduled or (spec.accuracy is not None and spec.accuracy.max_error)):
             # the SAGE step schedule and the guard run this site dense at some steps: that must run here too
             dense = KernelPlan(backend=choice.name, scale=kernel.scale, causal=traits.causal,
@@ -264,7 +275,7 @@ class CallPlanner:
                     f"or accuracy guard runs it without SAGE at some steps, which {choice.name} cannot run here: "
                     f"{reason}")
         return AttentionCall(site, choice.name, traits.causal, quant, skip, calibration, dropped=choice.dropped,
-                             route=choice.route, requested_skip=requested_skip, accuracy=spec.accuracy)
+                             route=route, requested_skip=requested_skip, accuracy=spec.accuracy)
 
     def _calibration_for(self, site: CallSite, skip: SkipSoftmaxSpec) -> SkipCalibration:
         calibration = self.calibrations.get(site.component)

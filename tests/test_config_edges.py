@@ -142,8 +142,8 @@ def test_an_unknown_backend_and_spec_key_are_refused_naming_what_is_valid():
                                   "['REFERENCE', 'SDPA', 'TRTLLM', 'TRTLLM-GEN', 'TRTLLM_GEN'])")
     with pytest.raises(AttentionConfigError) as key:
         AttentionSpec.from_dict({"backend": "auto", "skip": {}})
-    assert str(key.value) == ("spec: unknown key(s) ['skip']; valid keys are ['accuracy', 'backend', 'quant', "
-                              "'skip_softmax']")
+    assert str(key.value) == ("spec: unknown key(s) ['skip']; valid keys are ['accuracy', 'backend', "
+                              "'dense_kernel', 'quant', 'skip_softmax']")
 
 
 @pytest.mark.parametrize("name,value", [("skip_softmax", {"threshold": 0.1}), ("quant", {"dtype_qk": "int8"})])

@@ -194,8 +194,10 @@ def route_of(name: str) -> str:
 
 
 def backend_for_route(route: str) -> FunctionBackend:
-    """The backend that runs a planned route (no environment lookup: the per-call path)."""
-    return _seam_backend() if route == TRTLLM_ON_REFERENCE_ROUTE else _REGISTRY[route]
+    """The backend that runs a planned route (no environment lookup: the per-call path). A route is a backend's
+    name, optionally with ``+`` and one of its kernels chosen at install (``TRTLLM_ATTN+flash_attn4``; the backend
+    reads it from ``KernelPlan.backend``), or the test seam's route."""
+    return _seam_backend() if route == TRTLLM_ON_REFERENCE_ROUTE else _REGISTRY[route.partition("+")[0]]
 
 
 def _seam_backend() -> FunctionBackend:

@@ -15,6 +15,14 @@ sm_103 (B300)       deepseek`` (trtllm-gen cubins)              + trtllm-gen; in
 anything else       none: the check says so                     none
 ==================  ==========================================  =================================================
 
+Dense steps on Hopper (no SAGE, skip value 0) run the dense kernel chosen for the call site at install
+(:func:`dense_route`, the spec's ``dense_kernel``): ``auto`` takes FlashAttention-4 where it is installed (faster
+than FMHAv2 and cuDNN at the video models' shapes), else cuDNN through torch SDPA (as fast as FMHAv2 on
+self-attention, faster on cross-attention and with fewer queries than keys); ``fmha_v2``, ``flash_attn4`` or
+``cudnn`` pins one and raises at install where it cannot run. Skip-Softmax steps run FMHAv2 whatever the choice
+(neither of the others skips). The call site's route carries the choice (``TRTLLM_ATTN+flash_attn4``); the plain
+route ``TRTLLM_ATTN`` (calls not planned at install) runs FMHAv2.
+
 SAGE block sizes left unset (``None``) take the fastest kernel of the GPU (logged once; on Hopper fp8
 self-attention FMHAv2 with one K scale per sequence and head); an explicit block size or dtype without a kernel on
 the GPU is refused, naming what the GPU offers (:func:`sage_block_sizes`).
@@ -49,9 +57,11 @@ import time
 
 import torch
 
-from ..config import QK_DTYPES, TRTLLM_ATTN, AttnQuantSpec
-from ..errors import BackendUnavailableError
-from ..kernels import fmha_v2_sage, triton_sage
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..config import AUTO, CUDNN, DENSE_KERNELS, FLASH_ATTN4, FMHA_V2_DENSE, QK_DTYPES, TRTLLM_ATTN, AttnQuantSpec
+from ..errors import BackendUnavailableError, invalid
+from ..kernels import flash_attn4, fmha_v2_sage, triton_sage
 from ..kernels.flashinfer_calls import FMHA_V2, SAGE_QUANTIZE, TRTLLM_GEN
 from ..kernels.flashinfer_fmha import (CubinUnavailableError, fmha_v2_attention, flashinfer_prefill,
                                        release_workspaces, trtllm_gen_attention)
@@ -59,9 +69,11 @@ from ..kernels.numerics import HEAD_DIM, P_SCALE, head_dim_mismatch
 from ..platform import flashinfer_version, gpu_arch, version_tuple
 from ..quant import SageSemantics
 from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
+from .sdpa import SDPA_BACKEND
 
 __all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "run", "warmup",
-           "release_workspaces", "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes"]
+           "release_workspaces", "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes", "dense_route",
+           "dense_kernel_of"]
 
 logger = logging.getLogger("diffusers_trtllm")
 
@@ -318,13 +330,22 @@ def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
 
     ``qkv``: :class:`~.base.VarlenQKV` with q ``[total_q, Hq, 128]``, k/v ``[total_kv, Hkv, 128]`` bf16 on a
     CUDA device that :func:`unavailable_reason` accepted. Returns ``out [total_q, Hq, 128]`` bf16; skip counts
-    only from the Triton SAGE kernel when ``plan.count_skips`` (the other kernels do not report them).
+    only from the Triton SAGE kernel when ``plan.count_skips`` (the other kernels do not report them). On Hopper
+    a dense call runs the kernel its route names (``plan.backend``, :func:`dense_route`).
     """
     arch = gpu_arch(qkv.q.device)
     lengths = (tuple(qkv.seqlens_q), tuple(qkv.seqlens_kv))
     if arch in FMHA_V2_ARCHS:
         if plan.quant is not None:
             return _run_hopper_sage(qkv, plan)
+        dense = "" if plan.skips else dense_kernel_of(plan.backend)
+        if dense == FLASH_ATTN4:
+            return KernelResult(flash_attn4.flash_attn4_attention(
+                qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.max_seqlen_q,
+                qkv.max_seqlen_kv, plan.scale))
+        if dense == CUDNN:
+            with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+                return SDPA_BACKEND.run(qkv, plan)
         return KernelResult(fmha_v2_attention(qkv.q, qkv.k, qkv.v, *lengths, plan.scale, plan.skip_factor))
     if arch in TRTLLM_GEN_ARCHS:
         sage = None
@@ -336,14 +357,16 @@ def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     raise BackendUnavailableError(f"TRTLLM_ATTN has no kernel for {arch or qkv.q.device}")
 
 
-def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), sage: bool = True) -> dict[str, float]:
+def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), sage: bool = True,
+           dense_kernel: str = AUTO) -> dict[str, float]:
     """Build or fetch everything TRTLLM_ATTN needs on ``device`` (default: the current CUDA device), now.
 
     Hopper: JIT-compiles FlashInfer's FMHAv2 module for each dtype (dense and Skip-Softmax kernels are one
-    module) and, with ``sage``, the FMHAv2 SAGE kernels and the Triton SAGE kernel (minutes the first time on a
-    machine, a load afterwards). Blackwell: loads the trtllm-gen module and its cubins (downloaded on first use;
-    see :class:`CubinUnavailableError`) with one small dense call, and with ``sage`` one SAGE call per Q/K dtype
-    the GPU has kernels for. Returns seconds per step.
+    module), the dense kernel ``dense_kernel`` chooses (:func:`dense_route`; FlashAttention-4 compiles per shape
+    class, so its warm-up covers the small shape only) and, with ``sage``, the FMHAv2 SAGE kernels and the Triton
+    SAGE kernel (minutes the first time on a machine, a load afterwards). Blackwell: loads the trtllm-gen module
+    and its cubins (downloaded on first use; see :class:`CubinUnavailableError`) with one small dense call, and
+    with ``sage`` one SAGE call per Q/K dtype the GPU has kernels for. Returns seconds per step.
     """
     device = torch.device(device if device is not None else "cuda")
     arch = gpu_arch(device)
@@ -353,6 +376,9 @@ def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), s
             raise ValueError(f"warmup dtype {dtype} is not supported by TRTLLM_ATTN; supported: "
                              f"{list(SUPPORTED_DTYPES)}")
         plans = [KernelPlan(backend=TRTLLM_ATTN, scale=HEAD_DIM ** -0.5)]
+        route = dense_route(device, dense_kernel)
+        if route != TRTLLM_ATTN:
+            plans.append(KernelPlan(backend=route, scale=HEAD_DIM ** -0.5))
         if sage:
             plans += [KernelPlan(backend=TRTLLM_ATTN, scale=HEAD_DIM ** -0.5, quant=quant)
                       for quant in sage_specs_with_kernels(arch)]
@@ -362,13 +388,91 @@ def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), s
             reason = unavailable_reason(plan, qkv)
             if reason is not None:
                 raise RuntimeError(f"TRTLLM_ATTN cannot warm up on {device}: {reason}")
-            step = f"{arch} {dtype}" + (f" sage {plan.quant.dtype_qk}" if plan.quant else "")
+            step = f"{arch} {dtype}" + (f" sage {plan.quant.dtype_qk}" if plan.quant else "") + (
+                f" dense {dense_kernel_of(plan.backend)}" if dense_kernel_of(plan.backend) else "")
             logger.info("TRTLLM_ATTN warm-up: %s", step)
             start = time.perf_counter()
             run(qkv, plan)
             torch.cuda.synchronize(device)
             timings[step] = time.perf_counter() - start
     return timings
+
+
+# --------------------------------------------------------------------------------------- Hopper's dense kernel
+
+#: What each Hopper dense kernel is, in the words of the install log.
+DENSE_KERNEL_TITLES = {FMHA_V2_DENSE: "FMHAv2 (FlashInfer)", FLASH_ATTN4: "FlashAttention-4",
+                       CUDNN: "cuDNN (torch SDPA)"}
+ROUTE_KERNEL_SEPARATOR = "+"
+# torch SDPA's kernels for the cuDNN route, in order: where cuDNN refuses a shape, torch takes the next, as
+# diffusers' default attention does.
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def dense_kernel_of(route: str) -> str:
+    """The Hopper dense kernel a route names (``"TRTLLM_ATTN+flash_attn4"`` -> ``"flash_attn4"``), "" for none."""
+    return route.partition(ROUTE_KERNEL_SEPARATOR)[2]
+
+
+def cudnn_unavailable_reason() -> str | None:
+    """Why torch's cuDNN attention cannot run here, or ``None``."""
+    if not torch.backends.cudnn.is_available():
+        return f"torch {torch.__version__} has no cuDNN"
+    return None
+
+
+def dense_kernel_unavailable_reason(kernel: str) -> str | None:
+    """Why Hopper dense kernel ``kernel`` (one of :data:`DENSE_KERNEL_TITLES`) cannot run here, or ``None``."""
+    if kernel == FLASH_ATTN4:
+        return flash_attn4.unavailable_reason()
+    if kernel == CUDNN:
+        return cudnn_unavailable_reason()
+    return flashinfer_unavailable_reason(FMHA_V2)
+
+
+def dense_route(device: torch.device | str, dense_kernel: str = AUTO) -> str:
+    """The route of a ``TRTLLM_ATTN`` call site on ``device`` (at install): on sm_90 ``TRTLLM_ATTN+<kernel>`` with
+    the dense kernel ``dense_kernel`` names (``auto``: FlashAttention-4 where it runs, else cuDNN, else FMHAv2,
+    logged once), elsewhere ``TRTLLM_ATTN``. An explicit kernel that cannot run raises
+    :class:`BackendUnavailableError` with the reason."""
+    if dense_kernel not in DENSE_KERNELS:
+        raise invalid("dense_kernel", dense_kernel, f"one of {list(DENSE_KERNELS)}")
+    arch = gpu_arch(device)
+    if arch not in FMHA_V2_ARCHS:
+        if dense_kernel != AUTO:
+            raise BackendUnavailableError(
+                f"dense_kernel={dense_kernel!r} chooses among Hopper's (sm_90) dense kernels, and {torch.device(device)} "
+                f"is {arch or 'not a CUDA GPU'}; TRTLLM_ATTN runs dense attention there on its own kernel: leave "
+                "dense_kernel 'auto'")
+        return TRTLLM_ATTN
+    if dense_kernel == AUTO:
+        passed_over = {}
+        for kernel in (FLASH_ATTN4, CUDNN, FMHA_V2_DENSE):
+            reason = dense_kernel_unavailable_reason(kernel)
+            if reason is None:
+                break
+            passed_over[kernel] = reason
+        _log_dense_choice(arch, kernel, tuple(passed_over.items()))
+    else:
+        kernel = dense_kernel
+        reason = dense_kernel_unavailable_reason(kernel)
+        if reason is not None:
+            raise BackendUnavailableError(f"dense_kernel={kernel!r} ({DENSE_KERNEL_TITLES[kernel]}) cannot run on "
+                                          f"{arch}: {reason}; valid here: {_runnable_dense_kernels()}")
+    return f"{TRTLLM_ATTN}{ROUTE_KERNEL_SEPARATOR}{kernel}"
+
+
+def _runnable_dense_kernels() -> list[str]:
+    return [AUTO] + [k for k in DENSE_KERNEL_TITLES if dense_kernel_unavailable_reason(k) is None]
+
+
+@functools.lru_cache(maxsize=None)
+def _log_dense_choice(arch: str, kernel: str, passed_over: tuple[tuple[str, str], ...]) -> None:
+    version = f" {flash_attn4.installed_version()}" if kernel == FLASH_ATTN4 else ""
+    why = "".join(f"; not {DENSE_KERNEL_TITLES[k]}: {reason}" for k, reason in passed_over)
+    logger.warning("TRTLLM_ATTN dense steps on %s run %s%s (Skip-Softmax steps: FMHAv2, SAGE steps: the SAGE "
+                   "kernel)%s; the spec's dense_kernel pins one of %s", arch, DENSE_KERNEL_TITLES[kernel], version,
+                   why, list(DENSE_KERNEL_TITLES))
 
 
 TRTLLM_BACKEND = register_backend(TRTLLM_ATTN, run, unavailable_reason, priority=10)
