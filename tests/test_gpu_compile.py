@@ -125,4 +125,5 @@ def test_trtllm_configs_compile_match_eager_and_never_sync(model_name, name):
     for got, want in zip(again, eager_blocks[1:]):
         for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
             assert rel_err(g, w) < 1e-2
-    assert f"TRTLLM_ATTN:{MODES[name]}" in modes, modes
+    # a dense step on Hopper names its kernel: "dense[flash_attn4]"
+    assert f"TRTLLM_ATTN:{MODES[name]}" in {mode.split("[")[0] for mode in modes}, modes
