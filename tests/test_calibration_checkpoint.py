@@ -3,9 +3,11 @@ accepts and refuses, which layers a curve bound to a transformer keeps dense, an
 from ``config.json`` and its sidecar."""
 
 import json
+import logging
 
 import pytest
 import torch
+from diffusers import WanTransformer3DModel
 
 from diffusers_trtllm import AttentionConfigError
 from diffusers_trtllm.calibration import (SkipCalibration, calibrations_from_transformers, load_calibration,
@@ -93,3 +95,26 @@ def test_writing_keeps_diffusers_json_layout_and_needs_the_config_first(tmp_path
         text = (tmp_path / name).read_text()
         assert text == json.dumps(json.loads(text), indent=2) + "\n"
     assert load_calibration(tmp_path).sparsity_range == (0.1, 0.4)
+
+
+@pytest.mark.parametrize("extra,warned", [({}, False), ({"foo": 1}, True)])
+def test_loading_drops_diffusers_unused_key_warning_only_when_the_calibration_is_the_only_key(tmp_path, caplog,
+                                                                                             extra, warned):
+    """diffusers keeps the calibration key in model.config (this package reads it there) yet warns that it is
+    ignored; the warning stays for any other key."""
+    tiny_wan_transformer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    entry = sparse_attention_config(SkipCalibration(2.0, 3.0))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sparse_attention_config": entry, **extra}))
+    caplog.clear()
+    model = WanTransformer3DModel.from_pretrained(tmp_path)
+    assert model.config["sparse_attention_config"] == entry
+    assert ("The config attributes" in caplog.text) == warned
+
+
+@pytest.mark.parametrize("message", ["The config attributes were all read", "{'sparse_attention_config': 1} were "
+                                     "passed to WanTransformer3DModel", "The config attributes {not a dict} were "
+                                     "passed to WanTransformer3DModel"])
+def test_other_diffusers_config_messages_are_kept(caplog, message):
+    logging.getLogger("diffusers.configuration_utils").warning(message)
+    assert [record.getMessage() for record in caplog.records] == [message]
