@@ -1,8 +1,10 @@
 """One denoising call of a full-size video transformer with random bf16 weights, per attention configuration.
 
-Models: the Wan 2.2 A14B expert (14.3 B parameters; 720p, 81 frames: 75,600 tokens) and, where this package has
-its processor, HunyuanVideo 1.5 720p t2v (8.3 B; 720p, 81 frames: 75,600 video + 1,985 context tokens). Their
-configurations come from ``examples/evaluation``'s ``MODELS``. Each configuration is warmed up with the
+Models: the Wan 2.2 A14B expert (14.3 B parameters; 720p, 81 frames: 75,600 tokens), HunyuanVideo 1.5 720p t2v
+(8.3 B; 720p, 81 frames: 75,600 video + 1,985 context tokens) and Cosmos3-Super (64.0 B, 119 GiB in bf16; the
+pipeline's 720p, 189 frames: 44,160 vision tokens after 600 causal text tokens). Their configurations come from
+``examples/evaluation``'s ``MODELS``; ``--layers`` keeps the first N transformer blocks of a model (built with N,
+for one that does not fit the GPU whole). Each configuration is warmed up with the
 model's first block only (every kernel and shape of the step, at a fraction of its cost), then timed over whole
 calls with CUDA events. Reported per model: step time, ratio to TORCH_SDPA (what torch picks, cuDNN on an H200)
 and to cuDNN SDPA forced, and attention's share of the step (1 - no-attention time / reference time). Every
@@ -15,11 +17,15 @@ this data, not a model's speed-up.
 With ``--compile blocks`` every transformer block is compiled with ``block.compile(fullgraph=True)`` (what
 diffusers' ``compile_repeated_blocks(fullgraph=True)`` does) after the processors are installed, and each row
 reports its compile time: the warm-up call's time, which compiles the one graph all blocks share. Dynamo's
-caches are reset between configurations, so every row compiles from scratch.
+caches are reset between configurations, so every row compiles from scratch. The ``diffusers_eager`` row runs
+diffusers' default processors uncompiled beside the compiled rows. Each row says what the plan ran per role
+(backend and mode at install, e.g. Cosmos 3's causal text stream on TORCH_SDPA under a TRTLLM_ATTN default).
 
     PYTHONPATH=. python benchmarks/transformer_step.py            # on the GPU; JSON to $OUT (or --output)
     PYTHONPATH=. python benchmarks/transformer_step.py --tiny     # CPU, tiny configurations, seconds
     PYTHONPATH=. python benchmarks/transformer_step.py --compile blocks --configs diffusers dense sage
+    PYTHONPATH=. python benchmarks/transformer_step.py --models cosmos --compile blocks \
+        --configs diffusers diffusers_eager dense sage sage_skip --sage-dtypes fp8_e4m3
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -51,20 +58,23 @@ SDPA_LABEL = "TORCH_SDPA"
 CUDNN_LABEL = "TORCH_SDPA cuDNN"
 NO_ATTENTION_LABEL = "attention removed"
 DIFFUSERS_LABEL = "diffusers default processors"
+DIFFUSERS_EAGER_LABEL = "diffusers default processors, eager"
 DEFAULT_LAMBDAS = (0.066, 0.5)  # factor 5,000 at 75,600 keys (DESIGN.md's Hopper probe), and a large one
-GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none", "diffusers")
+GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none", "diffusers", "diffusers_eager")
+SAGE_DTYPES = ("int8", "fp8_e4m3")
 DEFAULT_GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none")
 
 
 @dataclass
 class BenchConfig:
     """A row: an attention config installed with ``enable_trtllm_attention`` (None: diffusers' own processors)
-    and a context around the timed calls (forced SDPA kernel, attention removed)."""
+    and a context around the timed calls (forced SDPA kernel, attention removed); ``eager``: never compiled."""
 
     label: str
     config: object | None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     unavailable: str | None = None
+    eager: bool = False
 
 
 @dataclass
@@ -78,10 +88,12 @@ class Row:
     vs_sdpa: float | None = None
     vs_cudnn: float | None = None
     vs_diffusers: float | None = None
+    ran: str = ""
     error: str = ""
 
 
-def bench_configs(entry: ModelEntry, groups, lambdas, feature_backend: str, on_cuda: bool) -> list[BenchConfig]:
+def bench_configs(entry: ModelEntry, groups, lambdas, feature_backend: str, on_cuda: bool,
+                  sage_dtypes=SAGE_DTYPES) -> list[BenchConfig]:
     """The configurations to time, in order (TORCH_SDPA first: the others' ratios refer to it)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -97,13 +109,15 @@ def bench_configs(entry: ModelEntry, groups, lambdas, feature_backend: str, on_c
                                    None if on_cuda else "cuDNN SDPA needs a CUDA GPU"))
     if "diffusers" in groups:
         configs.append(BenchConfig(DIFFUSERS_LABEL, None))
+    if "diffusers_eager" in groups:
+        configs.append(BenchConfig(DIFFUSERS_EAGER_LABEL, None, eager=True))
     if "dense" in groups:
         configs.append(BenchConfig(f"{feature_backend} dense", trt()))
     if "skip" in groups:
         configs += [BenchConfig(f"{feature_backend} skip λ={lam:g}", trt(skip={"threshold": lam})) for lam in lambdas]
     if "sage" in groups:
         configs += [BenchConfig(f"{feature_backend} SAGE {dtype}", trt(quant=AttnQuantSpec(dtype_qk=dtype)))
-                    for dtype in ("int8", "fp8_e4m3")]
+                    for dtype in sage_dtypes]
     if "sage_skip" in groups:
         configs.append(BenchConfig(f"{feature_backend} SAGE fp8_e4m3 + skip λ={lambdas[-1]:g}",
                                    trt(skip={"threshold": lambdas[-1]}, quant=AttnQuantSpec(dtype_qk="fp8_e4m3"))))
@@ -159,8 +173,11 @@ def time_config(model, run: SpeedRun, inputs: dict, bench: BenchConfig, repeats:
     # no statistics: counting skipped tiles is extra work that the speed of a step should not include
     installed = (enable_trtllm_attention(model, bench.config, collect_stats=False) if bench.config is not None
                  else contextlib.nullcontext())
+    compile_blocks = compile_blocks and not bench.eager
     row = Row("", bench.label)
-    with installed, bench.context(), torch.no_grad(), compiled_blocks(model, run.blocks_attr, compile_blocks):
+    with installed as handle, bench.context(), torch.no_grad(), \
+            compiled_blocks(model, run.blocks_attr, compile_blocks):
+        row.ran = what_ran(handle)
         start = time.perf_counter()
         with first_block_only(model, run.blocks_attr):
             model(**inputs)
@@ -179,13 +196,34 @@ def time_config(model, run: SpeedRun, inputs: dict, bench: BenchConfig, repeats:
     return row
 
 
+def what_ran(handle) -> str:
+    """The plan's backend and mode per role (with its number of layers), or diffusers' own processors."""
+    if handle is None:
+        return "diffusers"
+    per_role = Counter(f"{site.role}: {call.backend}:{call.current_mode()}" for site, call in handle.planner.calls.items())
+    return ", ".join(f"{what} ({n} layers)" for what, n in per_role.items())
+
+
+def block_count_key(run: SpeedRun) -> str:
+    """The transformer argument that sets its number of blocks."""
+    return next(k for k in ("num_layers", "num_hidden_layers") if k in run.transformer_config)
+
+
+def with_layers(run: SpeedRun, layers: int | None) -> SpeedRun:
+    """``run`` with its transformer built with ``layers`` blocks (None: as configured)."""
+    if layers is None:
+        return run
+    return dataclasses.replace(run, transformer_config={**run.transformer_config, block_count_key(run): layers})
+
+
 def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def bench_model(entry: ModelEntry, run: SpeedRun, configs, args, device, dtype, deadline: float) -> dict:
+def bench_model(entry: ModelEntry, run: SpeedRun, configs, args, device, dtype, deadline: float,
+                full_layers: int) -> dict:
     result = {"model": entry.name, "model_id": entry.model_id, "config": dict(run.transformer_config),
               "shape": vars(run.shape), "video_tokens": run.video_tokens, "context_tokens": run.context_tokens,
               "rows": []}
@@ -195,6 +233,7 @@ def bench_model(entry: ModelEntry, run: SpeedRun, configs, args, device, dtype, 
     start = time.perf_counter()
     model = build_transformer(entry, run, device, dtype)
     result["params"] = sum(p.numel() for p in model.parameters())
+    result["layers"] = f"{len(getattr(model, run.blocks_attr))} of {full_layers} blocks"
     result["build_s"] = time.perf_counter() - start
     inputs = run.inputs(run, device, dtype)
     rows = result["rows"]
@@ -240,14 +279,15 @@ def report(results: list[dict]) -> str:
             continue
         table = markdown_table(
             ("configuration", "step (ms)", "× vs TORCH_SDPA", "× vs cuDNN", "× vs diffusers", "compile (s)",
-             "peak GB", "notes"),
+             "peak GB", "ran", "notes"),
             [(r["label"], format_number(r["ms"], 1), format_number(r["vs_sdpa"], 3, "×"),
               format_number(r["vs_cudnn"], 3, "×"), format_number(r["vs_diffusers"], 3, "×"),
-              format_number(r["compile_s"], 1), format_number(r["peak_gb"], 1), r["error"])
-             for r in res["rows"]], "lrrrrrrl")
+              format_number(r["compile_s"], 1), format_number(r["peak_gb"], 1), r["ran"], r["error"])
+             for r in res["rows"]], "lrrrrrrll")
         share = ", ".join(f"{format_number(res[k], 3)} of the {name} step" for k, name in
                           (("attention_share_sdpa", "TORCH_SDPA"), ("attention_share_cudnn", "cuDNN")) if k in res)
-        lines += [title, "", f"{res['params'] / 1e9:.3g} B parameters, built in {res['build_s']:.1f} s", "",
+        lines += [title, "", f"{res['params'] / 1e9:.3g} B parameters ({res['layers']}), built in "
+                  f"{res['build_s']:.1f} s", "",
                   table, "", f"attention share: {share or 'n/a'}", ""]
     return "\n".join(lines)
 
@@ -261,6 +301,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--lambdas", type=float, nargs="+", default=list(DEFAULT_LAMBDAS),
                         help="Skip-Softmax λ values; the last one also runs with SAGE")
     parser.add_argument("--frames", type=int, default=None, help="override every model's frame count (4k + 1)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="build every model with its first N transformer blocks only (one too large for the GPU)")
+    parser.add_argument("--sage-dtypes", nargs="+", choices=SAGE_DTYPES, default=list(SAGE_DTYPES),
+                        help="Q/K dtypes of the sage rows")
     parser.add_argument("--compile", choices=("none", "blocks"), default="none",
                         help="blocks: compile every transformer block with fullgraph=True (after installing)")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per configuration (median)")
@@ -269,6 +313,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON file (default: $OUT/transformer_step.json, or ./transformer_step.json)")
     args = parser.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers} is invalid: expected a positive number of blocks")
     start = time.perf_counter()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -285,8 +331,11 @@ def main(argv=None) -> dict:
         run = entry.tiny_speed if args.tiny else entry.speed
         if args.frames:
             run = dataclasses.replace(run, shape=VideoShape(run.shape.height, run.shape.width, args.frames))
-        configs = bench_configs(entry, args.configs, args.lambdas, feature_backend, device.type == "cuda")
-        results.append(bench_model(entry, run, configs, args, device, dtype, start + args.time_budget))
+        full_layers = run.transformer_config[block_count_key(run)]
+        configs = bench_configs(entry, args.configs, args.lambdas, feature_backend, device.type == "cuda",
+                                args.sage_dtypes)
+        results.append(bench_model(entry, with_layers(run, args.layers), configs, args, device, dtype,
+                                   start + args.time_budget, full_layers))
     meta["total_s"] = time.perf_counter() - start
     text = report(results)
     print(text)

@@ -50,9 +50,10 @@ class SpeedRun:
 
     @property
     def video_tokens(self) -> int:
-        """Video tokens the transformer sees: latent frames × rows × columns after patchifying."""
+        """Video tokens the transformer sees: latent frames × rows × columns after patchifying (a partial patch
+        counts whole: Cosmos 3 pads the latent to whole patches)."""
         frames, rows, cols = self.latent_shape(1)[2:]
-        return (frames // self.patch[0]) * (rows // self.patch[1]) * (cols // self.patch[2])
+        return -(-frames // self.patch[0]) * -(-rows // self.patch[1]) * -(-cols // self.patch[2])
 
 
 def _wan_step_inputs(run: SpeedRun, device: torch.device, dtype: torch.dtype) -> dict:
@@ -82,13 +83,35 @@ def _hunyuan15_step_inputs(run: SpeedRun, device: torch.device, dtype: torch.dty
                 return_dict=False)
 
 
+def _cosmos3_step_inputs(run: SpeedRun, device: torch.device, dtype: torch.dtype) -> dict:
+    """Text-to-video: the text prompt (the causal stream) then every vision token noisy, as the pipeline packs
+    them; positions are plain counters on all three mRoPE axes (they change the rotary's values, not its cost)."""
+    cfg = run.transformer_config
+    (text_tokens,) = run.context_tokens
+    latent = torch.randn(run.latent_shape(cfg["latent_channel"]), device=device, dtype=dtype)
+    frames, rows, cols = latent.shape[2:]
+    patch = cfg["latent_patch_size"]
+    grid = (frames, -(-rows // patch), -(-cols // patch))
+    vision_tokens = grid[0] * grid[1] * grid[2]
+    total = text_tokens + vision_tokens
+    vision_indexes = torch.arange(text_tokens, total, device=device)
+    return dict(input_ids=torch.randint(0, cfg["vocab_size"], (text_tokens,), device=device),
+                text_indexes=torch.arange(text_tokens, device=device),
+                position_ids=torch.arange(total, device=device).expand(3, -1), und_len=text_tokens,
+                sequence_length=total, vision_tokens=[latent], vision_token_shapes=[grid],
+                vision_sequence_indexes=vision_indexes, vision_mse_loss_indexes=vision_indexes,
+                vision_timesteps=torch.full((vision_tokens,), 500.0, device=device),
+                vision_noisy_frame_indexes=[torch.arange(frames, device=device)], return_dict=False)
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """One model of the test plan.
 
     ``sdpa_roles``: roles or categories that stay dense on TORCH_SDPA in every TRT-LLM configuration (Wan's
     cross-attention: 512 text keys, a few percent of attention time, faster on cuDNN than on FMHAv2 and not
-    proven on it for fewer queries than keys). ``frames_of`` takes the pipeline output (``output_type="np"``) to
+    proven on it for fewer queries than keys). Cosmos 3's causal text stream needs no entry: under a TRTLLM_ATTN
+    default it runs dense on TORCH_SDPA by itself (said once at install). ``frames_of`` takes the pipeline output (``output_type="np"``) to
     one video ``[frames, H, W, C]``. ``shape_rule``: the sizes and frame counts the model takes (the same for its
     tiny pipeline; tests/test_cli.py pins it against the built pipelines).
     """
@@ -128,6 +151,17 @@ _HUNYUAN15_720P_T2V_CONFIG = dict(in_channels=65, out_channels=32, num_attention
                                   image_embed_dim=1152, rope_theta=256.0, rope_axes_dim=(16, 56, 56),
                                   target_size=960, task_type="t2v")
 
+# Cosmos3-Super: two towers shaped like Qwen3-VL-32B's text model, which NVIDIA initialised them from (64 layers,
+# hidden 5,120, 64 query / 8 key-value heads of 128, MLP 25,600; inferred, not read from the checkpoint): the
+# published 64 B parameters (119 GiB in bf16). The class defaults (hidden 4,096, 36 layers, 32/8 heads) are Cosmos3-Nano's.
+# The VAE is Wan 2.2's (16× spatial, 4× temporal); latent patches are 2 × 2, the latent padded to whole patches.
+_COSMOS3_SUPER_CONFIG = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                             num_key_value_heads=8, head_dim=128, latent_channel=48, latent_patch_size=2,
+                             patch_latent_dim=192, rope_theta=5e6, vocab_size=151936)
+# Text tokens of the causal stream: a long prompt with the pipeline's system prompt and its duration and resolution
+# sentences (the pipeline does not pad text; the length is the prompt's).
+COSMOS3_TEXT_TOKENS = 600
+
 # 9 frames at 128×128 make 192 video tokens for Wan and HunyuanVideo: two 128-key tiles, so skipping can happen.
 TINY_SHAPE = VideoShape(128, 128, 9, 4)
 
@@ -164,8 +198,13 @@ MODELS: dict[str, ModelEntry] = {entry.model_id: entry for entry in (
         shape=VideoShape(720, 1280, None, 35), fps=24,
         tiny_builder="tiny_cosmos3_pipeline", tiny_shape=TINY_SHAPE, frames_of=_cosmos_video,
         shape_rule=ShapeRule(vae_spatial=8, patch_spatial=1, vae_temporal=4),  # the pipeline pads partial patches
-        # its causal text stream needs a backend that runs causal attention (TRTLLM_ATTN does not)
-        sdpa_roles=("und_causal",)),
+        # the pipeline's defaults: 720p, 189 frames (48 latent frames × 23 × 40 patches = 44,160 vision tokens)
+        speed=SpeedRun(_COSMOS3_SUPER_CONFIG, VideoShape(720, 1280, 189), (4, 16), (1, 2, 2), (COSMOS3_TEXT_TOKENS,),
+                       "layers", _cosmos3_step_inputs),
+        tiny_speed=SpeedRun(dict(_COSMOS3_SUPER_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, latent_channel=16,
+                                 patch_latent_dim=64, vocab_size=260, rope_axes_dim=(4, 2, 2)),
+                            VideoShape(128, 128, 9), (4, 16), (1, 2, 2), (24,), "layers", _cosmos3_step_inputs)),
 )}
 
 
