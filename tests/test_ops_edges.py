@@ -1,0 +1,180 @@
+"""The attention op's rules at their edges, through ``torch.ops.diffusers_trtllm.*``: valid prefixes (forward and
+gradient), the gradient's scale, causality and grouped heads, and how an unplanned call chooses its backend (once
+per kind of call, refusing or warning by its reason, in a bounded cache).
+
+References are float64 (an explicit softmax over masked scores); the op runs TORCH_REFERENCE in float64 there, so
+agreement is to float64 rounding.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from diffusers_trtllm import ops
+from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
+from diffusers_trtllm.config import AttnQuantSpec
+from diffusers_trtllm.errors import BackendUnavailableError
+
+ATTENTION = torch.ops.diffusers_trtllm.attention
+COUNTED = torch.ops.diffusers_trtllm.attention_counted
+PROBED = torch.ops.diffusers_trtllm.attention_probed
+TIGHT = dict(rtol=1e-10, atol=1e-10)
+
+
+def exact_attention(q, k, v, scale, causal=False, valid_lengths=None):
+    """float64 attention of ``[B, S, H, D]`` tensors: GQA by repeating each key head over its query heads, causal
+    bottom-right, sample ``b`` among its first ``valid_lengths[b]`` tokens; a query that sees no key gets 0."""
+    q, k, v = (x.double() for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    sq, skv = q.shape[1], k.shape[1]
+    visible = torch.ones(1, 1, sq, skv, dtype=torch.bool)
+    if causal:
+        visible = visible & torch.ones(sq, skv, dtype=torch.bool).tril(skv - sq)
+    if valid_lengths is not None:
+        valid = torch.arange(sq)[None, :] < valid_lengths[:, None]
+        visible = visible & valid[:, None, :, None] & valid[:, None, None, :]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def op_args(q, k, v, valid_lengths=None, *, skip=0.0, backend="TORCH_REFERENCE", scale=0.3, causal=False,
+            quant="", per_kv_len=False, planned=True, tile=(128, 128)):
+    """The op's arguments in its order."""
+    return (q, k, v, valid_lengths, ops.initial_settings(skip), backend, scale, causal, quant, per_kv_len, *tile,
+            planned)
+
+
+def qkv(batch=2, sq=5, skv=5, hq=2, hkv=2, dim=8, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, s, h, dim, generator=g, dtype=dtype)
+                 for s, h in ((sq, hq), (skv, hkv), (skv, hkv)))
+
+
+# --- valid prefixes -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["TORCH_REFERENCE", "TORCH_SDPA"])
+def test_valid_lengths_confine_each_sample_to_its_prefix_and_zero_its_padding(backend):
+    """Sample 0 keeps 3 of its 5 tokens, sample 1 all 5: rows past a prefix are 0, and no token attends to a padding
+    key."""
+    q, k, v = qkv()
+    lengths = torch.tensor([3, 5])
+    out = ATTENTION(*op_args(q, k, v, lengths, backend=backend))
+    torch.testing.assert_close(out, exact_attention(q, k, v, 0.3, valid_lengths=lengths), **TIGHT)
+    assert torch.equal(out[0, 3:], torch.zeros_like(out[0, 3:]))
+
+
+# --- the gradient: dense attention's, with the forward's scale, causality, heads and prefixes --------------------
+
+def gradients(fn, q, k, v):
+    """Gradients of a fixed random projection of ``fn(q, k, v)`` with respect to q, k, v."""
+    inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*inputs)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return torch.autograd.grad((out * weights).sum(), inputs)
+
+
+@pytest.mark.parametrize("op", [ATTENTION, COUNTED, PROBED], ids=["attention", "counted", "probed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradient_is_dense_attentions_with_the_calls_scale_and_causality(op, causal):
+    """4 queries on 7 keys: a causal query sees the keys up to its own position from the end (bottom-right)."""
+    q, k, v = qkv(sq=4, skv=7)
+
+    def through_op(q, k, v):
+        return op(*op_args(q, k, v, causal=causal))[0] if op is not ATTENTION else op(*op_args(q, k, v, causal=causal))
+
+    for got, expected in zip(gradients(through_op, q, k, v),
+                             gradients(lambda *x: exact_attention(*x, 0.3, causal=causal), q, k, v)):
+        torch.testing.assert_close(got, expected, **TIGHT)
+
+
+@pytest.mark.parametrize("hq, hkv, dim", [(4, 2, 4), (6, 3, 3)])
+def test_gradient_among_valid_prefixes_with_grouped_heads(hq, hkv, dim):
+    """Grouped heads (head_dim equal to either head count) and a sample 2 tokens short of its 5: padding rows get
+    no gradient and give none."""
+    q, k, v = qkv(hq=hq, hkv=hkv, dim=dim)
+    lengths = torch.tensor([5, 3])
+    got = gradients(lambda *x: ATTENTION(*op_args(*x, lengths)), q, k, v)
+    expected = gradients(lambda *x: exact_attention(*x, 0.3, valid_lengths=lengths), q, k, v)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, **TIGHT)
+    assert all(torch.equal(g[1, 3:], torch.zeros_like(g[1, 3:])) for g in got)
+
+
+# --- an unplanned call's backend: chosen once per kind of call ------------------------------------------------
+
+@pytest.fixture
+def fresh_choices(monkeypatch):
+    """An empty choice cache and warning memory, as in a new process."""
+    monkeypatch.setattr(ops, "_UNPLANNED_CHOICES", {})
+    monkeypatch.setattr(ops, "_UNPLANNED_WARNED", set())
+    monkeypatch.delenv(TRTLLM_ON_REFERENCE_ENV, raising=False)
+
+
+def unplanned(backend, *, skip=0.0, quant="", causal=False, dim=8, hq=2, hkv=2, sq=5, skv=5):
+    q, k, v = qkv(batch=1, sq=sq, skv=skv, hq=hq, hkv=hkv, dim=dim, dtype=torch.float32)
+    return ATTENTION(*op_args(q, k, v, backend=backend, skip=skip, quant=quant, causal=causal, planned=False))
+
+
+SAGE_INT8 = ops.encode_quant(AttnQuantSpec(dtype_qk="int8"))
+
+
+@pytest.mark.parametrize("feature", [dict(skip=0.1), dict(quant=SAGE_INT8)], ids=["skip", "sage"])
+def test_an_explicit_dense_backend_refuses_a_feature_after_running_the_same_shape_dense(fresh_choices, feature):
+    unplanned("TORCH_SDPA")
+    with pytest.raises(BackendUnavailableError, match="backend TORCH_SDPA cannot run this attention: TORCH_SDPA "
+                                                      r"runs dense attention only \(no Skip-Softmax, no SAGE\)"):
+        unplanned("TORCH_SDPA", **feature)
+
+
+def test_an_explicit_backend_is_checked_against_the_calls_causality(fresh_choices, monkeypatch):
+    """Under the test seam TRTLLM_ATTN runs on any device but stays non-causal: the causal call of a shape it ran
+    is refused."""
+    monkeypatch.setenv(TRTLLM_ON_REFERENCE_ENV, "1")
+    unplanned("TRTLLM_ATTN")
+    with pytest.raises(BackendUnavailableError, match="TRTLLM_ATTN runs non-causal attention only"):
+        unplanned("TRTLLM_ATTN", causal=True)
+
+
+def test_an_explicit_gpu_backend_on_the_cpu_says_it_needs_the_gpu(fresh_choices):
+    with pytest.raises(BackendUnavailableError, match=r"backend TRTLLM_ATTN cannot run this attention: TRTLLM_ATTN "
+                                                      r"needs an NVIDIA sm_90 .* \(device cpu\)"):
+        unplanned("TRTLLM_ATTN")
+
+
+def test_auto_warns_once_per_dropped_feature_not_once_per_shape(fresh_choices):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unplanned("auto")  # dense: nothing dropped, nothing said
+        assert caught == []
+        unplanned("auto", skip=0.1)
+        unplanned("auto", skip=0.1, dim=16)  # another shape, the same reason
+        unplanned("auto", quant=SAGE_INT8)  # another reason
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("diffusers_trtllm: auto runs attention dense on cpu: Skip-Softmax dropped (")
+    assert messages[1].startswith("diffusers_trtllm: auto runs attention dense on cpu: SAGE int8 dropped (")
+    assert "TORCH_SDPA: TORCH_SDPA runs dense attention only" in messages[0]
+
+
+CACHE_SIZE = 256
+
+
+@pytest.mark.parametrize("others, chosen_again", [(CACHE_SIZE - 1, False), (CACHE_SIZE, True)])
+def test_the_choice_cache_forgets_the_oldest_kind_after_256_others(fresh_choices, monkeypatch, others,
+                                                                   chosen_again):
+    """A choice is made at a kind's first call and kept (the seam's variable is not read again); after 256 other
+    kinds the oldest is chosen afresh, here without the seam: refused on the CPU."""
+    monkeypatch.setenv(TRTLLM_ON_REFERENCE_ENV, "1")
+    unplanned("TRTLLM_ATTN")
+    monkeypatch.delenv(TRTLLM_ON_REFERENCE_ENV)
+    unplanned("TRTLLM_ATTN")  # the kept choice
+    for dim in range(1, others + 1):
+        unplanned("TORCH_SDPA", dim=dim, hq=1, hkv=1, sq=1, skv=1)
+    if chosen_again:
+        with pytest.raises(BackendUnavailableError, match="needs an NVIDIA sm_90"):
+            unplanned("TRTLLM_ATTN")
+    else:
+        unplanned("TRTLLM_ATTN")
