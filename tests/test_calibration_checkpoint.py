@@ -11,7 +11,7 @@ from diffusers import WanTransformer3DModel
 
 from diffusers_trtllm import AttentionConfigError
 from diffusers_trtllm.calibration import (SkipCalibration, calibrations_from_transformers, load_calibration,
-                                          sparse_attention_config, write_calibration)
+                                          parse_sparse_attention_config, sparse_attention_config, write_calibration)
 from diffusers_trtllm.tiny_pipelines import tiny_wan_transformer
 from diffusers_trtllm.version import __version__
 
@@ -36,7 +36,8 @@ def test_a_curve_takes_its_range_ends_and_stores_numbers_as_floats_and_lists_as_
 @pytest.mark.parametrize("fields,message", [
     ({"a": 0}, "calibration.a=0 is invalid: expected a finite number > 0 (factor = a * exp(b * s))"),
     ({"b": -1.0}, "calibration.b=-1.0 is invalid: expected a finite number > 0 (factor = a * exp(b * s))"),
-    ({"target_sparsity": 1.5}, "calibration.target_sparsity=1.5 is invalid: expected a finite number in [0, 1] or None"),
+    ({"target_sparsity": 1.5},
+     "calibration.target_sparsity=1.5 is invalid: expected a finite number in [0, 1] or None"),
     ({"disabled_until_timestep": -0.1},
      "calibration.disabled_until_timestep=-0.1 is invalid: expected a finite number in [0, 1] or None"),
     *[({"sparsity_range": value}, f"calibration.sparsity_range={value!r} is invalid: expected (low, high) with "
@@ -118,3 +119,108 @@ def test_loading_drops_diffusers_unused_key_warning_only_when_the_calibration_is
 def test_other_diffusers_config_messages_are_kept(caplog, message):
     logging.getLogger("diffusers.configuration_utils").warning(message)
     assert [record.getMessage() for record in caplog.records] == [message]
+
+
+def skip_group(**fields):
+    return {"algorithm": "skip_softmax", "coefficients": {"a": 2.0, "b": 3.0}, **fields}
+
+
+TSF_NOTE = '{"formula": "a * exp(b * target_sparsity)", "prefill": {"a": .., "b": ..}}'
+
+
+@pytest.mark.parametrize("data,message", [
+    ([1], "w=[1] is invalid: expected a JSON object with 'config_groups'"),
+    ({"config_groups": {}}, 'w.config_groups={} is invalid: expected a non-empty object of groups like '
+                            '{"group_0": {"algorithm": "skip_softmax", ...}}'),
+    ({"config_groups": {"g": 3}}, "w.config_groups.g=3 is invalid: expected a JSON object with 'algorithm'"),
+    ({"config_groups": {"g": {"algorithm": "top_k"}}},
+     "w.config_groups.g.algorithm='top_k' is invalid: expected one of ['skip_softmax', 'softmax_skip'] (or "
+     "['sparse_softmax', 'triton_sparse_softmax'], which are ignored)"),
+    ({"config_groups": {"g": skip_group(), "h": {"sparse_algo": "softmax_skip", "coefficients": {"a": 1, "b": 1}}}},
+     "w: 2 skip_softmax groups (['w.config_groups.g', 'w.config_groups.h']); one curve per component is supported"),
+    ({"config_groups": {"g": skip_group(threshold_scale_factor=3)}},
+     f"w.config_groups.g.threshold_scale_factor=3 is invalid: expected an object like {TSF_NOTE}"),
+    ({"config_groups": {"g": skip_group(threshold_scale_factor={"decode": {"a": 1, "b": 1}})}},
+     "w.config_groups.g.threshold_scale_factor={'decode': {'a': 1, 'b': 1}} has no 'prefill' coefficients "
+     '{"a": .., "b": ..} (diffusion attention is prefill only; \'decode\' is not used)'),
+    # a formula is named where it is: in the factor, else beside it in the group
+    ({"config_groups": {"g": skip_group(threshold_scale_factor={"formula": "a*b", "prefill": {"a": 1, "b": 1}})}},
+     "w.config_groups.g.threshold_scale_factor.formula='a*b' is invalid: expected 'a * exp(b * target_sparsity)' "
+     "(whitespace ignored)"),
+    ({"config_groups": {"g": skip_group(formula="a*b", threshold_scale_factor={"prefill": {"a": 1, "b": 1}})}},
+     "w.config_groups.g.formula='a*b' is invalid: expected 'a * exp(b * target_sparsity)' (whitespace ignored)"),
+    ({"config_groups": {"g": skip_group(formula=3)}},
+     "w.config_groups.g.formula=3 is invalid: expected 'a * exp(b * target_sparsity)' (whitespace ignored)"),
+    ({"config_groups": {"g": {"algorithm": "skip_softmax"}}},
+     "w.config_groups.g has no coefficients: expected 'w.config_groups.g.threshold_scale_factor.prefill' (ModelOpt "
+     "0.45+), 'w.threshold_scale_factor.prefill' (ModelOpt 0.44) or 'w.config_groups.g.coefficients', each "
+     '{"a": .., "b": ..}'),
+    *[({"config_groups": {"g": skip_group(coefficients=value)}},
+       f'w.config_groups.g.coefficients={value!r} is invalid: expected {{"a": <number > 0>, "b": <number > 0>}}')
+      for value in ([1, 2], {"b": 1.0}, {"a": 1.0})],
+    *[({"config_groups": {"g": skip_group(coefficients={"a": 1.0, "b": 1.0, name: 0})}},
+       f"w.config_groups.g.coefficients.{name}=0 is invalid: expected a finite number > 0 (factor = a * exp(b * "
+       "target_sparsity) must be positive and grow with the target sparsity)") for name in "ab"],
+    ({"config_groups": {"g": skip_group(ignore=("blocks.0.*", 3))}},
+     "w.config_groups.g.ignore=('blocks.0.*', 3) is invalid: expected a list of strings"),
+    ({"config_groups": {"g": skip_group(targets=["WanAttention", None])}},
+     "w.config_groups.g.targets=['WanAttention', None] is invalid: expected a list of strings"),
+    ({"config_groups": {"g": skip_group(target_sparsity={"prefill": 2})}},
+     "w.config_groups.g.target_sparsity.prefill=2 is invalid: expected a finite number in [0, 1]"),
+    ({"config_groups": {"g": skip_group(disabled_until_timestep=1.5)}},
+     "w.config_groups.g.disabled_until_timestep=1.5 is invalid: expected a finite number in [0, 1]"),
+])
+def test_a_malformed_entry_is_refused_with_the_whole_message(data, message):
+    with pytest.raises(AttentionConfigError) as refused:
+        parse_sparse_attention_config(data, where="w")
+    assert str(refused.value) == message
+
+
+SIDECAR_FIELD = "w sidecar sparse_attention_calibration.json: observed_sparsity"
+
+
+@pytest.mark.parametrize("sidecar,expected", [
+    (None, None), ({}, None), ({"observed_sparsity": None}, None), ({"observed_sparsity": (0, 1)}, (0.0, 1.0)),
+    ({"observed_sparsity": [0.1]}, f"{SIDECAR_FIELD}=[0.1] is invalid: expected [low, high]"),
+    ({"observed_sparsity": "0.1, 0.4"}, f"{SIDECAR_FIELD}='0.1, 0.4' is invalid: expected [low, high]"),
+    ({"observed_sparsity": [-0.1, 0.4]}, f"{SIDECAR_FIELD}[0]=-0.1 is invalid: expected a finite number in [0, 1]"),
+    ({"observed_sparsity": [0.1, 2]}, f"{SIDECAR_FIELD}[1]=2 is invalid: expected a finite number in [0, 1]"),
+])
+def test_the_sidecars_observed_range_is_read_or_refused_naming_the_sidecar(sidecar, expected):
+    data = {"config_groups": {"g": skip_group()}}
+    if expected is None or isinstance(expected, tuple):
+        assert parse_sparse_attention_config(data, where="w", sidecar=sidecar).sparsity_range == expected
+        return
+    with pytest.raises(AttentionConfigError) as refused:
+        parse_sparse_attention_config(data, where="w", sidecar=sidecar)
+    assert str(refused.value) == expected
+
+
+def test_where_the_coefficients_are_read_from_when_several_are_given():
+    """The group's factor before the top level's (0.44), 'prefill' before 'coefficients' inside a factor; a bare
+    ``coefficients`` only without a factor; 'algorithm' before 'sparse_algo'."""
+    factor = {"prefill": {"a": 1.0, "b": 2.0}, "coefficients": {"a": 3.0, "b": 4.0}}
+    group = skip_group(threshold_scale_factor=factor, coefficients={"a": 5.0, "b": 6.0})
+    top = {"prefill": {"a": 7.0, "b": 8.0}}
+    curve = parse_sparse_attention_config({"config_groups": {"g": group}, "threshold_scale_factor": top})
+    assert (curve.a, curve.b) == (1.0, 2.0)
+    group["threshold_scale_factor"] = {"coefficients": {"a": 3.0, "b": 4.0}}
+    assert parse_sparse_attention_config({"config_groups": {"g": group}}).a == 3.0
+    del group["threshold_scale_factor"]
+    assert parse_sparse_attention_config({"config_groups": {"g": group}, "threshold_scale_factor": top}).a == 7.0
+    assert parse_sparse_attention_config({"config_groups": {"g": group}}).a == 5.0
+    assert parse_sparse_attention_config({"config_groups": {"g": {**group, "sparse_algo": "top_k"}}}).a == 5.0
+
+
+def test_groups_of_other_modelopt_algorithms_are_ignored_by_name_beside_the_skip_group(caplog):
+    data = {"config_groups": {"n_m": {"sparse_algo": "triton_sparse_softmax"}, "g": skip_group()}}
+    assert parse_sparse_attention_config(data, where="w").a == 2.0
+    assert [record.getMessage() for record in caplog.records] == [
+        "w.config_groups.n_m.sparse_algo='triton_sparse_softmax': diffusers_trtllm runs Skip-Softmax only; this "
+        "group is ignored"]
+
+
+def test_a_bare_group_has_no_ignore_targets_target_or_gate():
+    curve = parse_sparse_attention_config({"config_groups": {"g": skip_group(target_sparsity={"decode": 0.5})}})
+    assert (curve.ignore, curve.targets, curve.target_sparsity, curve.disabled_until_timestep, curve.source) == \
+        ((), (), None, None, "sparse_attention_config")

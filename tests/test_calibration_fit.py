@@ -68,7 +68,8 @@ def test_a_degenerate_fit_is_refused_naming_its_points(factors, distinct):
         fit_curve(points, component="transformer")
     message = str(refused.value)
     assert re.match(r"transformer: the fit a=\S+, b=\S+ is degenerate \(both must be > 0: the factor must grow "
-                    r"with sparsity\); achieved sparsity barely depends on λ over the 10 points in \[0.1, 0.9\] ", message)
+                    r"with sparsity\); achieved sparsity barely depends on λ over the 10 points in \[0.1, 0.9\] ",
+                    message)
     assert (f"(distinct factors λ·kv_len: {distinct}; sparsities [0.1235, 0.1735, 0.2235, 0.2735, 0.3235, 0.3735, "
             "0.4235, 0.4735]). Attention this peaky or this flat has no useful curve: use skip_softmax.threshold (λ) "
             "directly") in message

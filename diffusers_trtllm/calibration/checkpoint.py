@@ -119,7 +119,10 @@ def _coefficients(data: Mapping, path: str, group: Mapping, where: str) -> tuple
         tsf_path = f"{owner_path}.threshold_scale_factor"
         if not isinstance(tsf, Mapping):
             raise invalid(tsf_path, tsf, f'an object like {{"formula": "{FORMULA}", "prefill": {{"a": .., "b": ..}}}}')
-        _check_formula(tsf.get("formula", group.get("formula")), f"{tsf_path}.formula")
+        if "formula" in tsf:
+            _check_formula(tsf["formula"], f"{tsf_path}.formula")
+        else:
+            _check_formula(group.get("formula"), f"{path}.formula")
         for key in ("prefill", "coefficients"):
             if key in tsf:
                 return _a_b(tsf[key], f"{tsf_path}.{key}")
@@ -166,10 +169,10 @@ def _strings(value, path: str) -> tuple[str, ...]:
 def _observed_range(sidecar: Mapping | None, where: str) -> tuple[float, float] | None:
     if sidecar is None or sidecar.get("observed_sparsity") is None:
         return None
-    value = sidecar["observed_sparsity"]
+    value, field = sidecar["observed_sparsity"], f"{where} sidecar {SIDECAR_NAME}: observed_sparsity"
     if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise invalid(f"{where} sidecar {SIDECAR_NAME}: observed_sparsity", value, "[low, high]")
-    return _unit(value[0], "observed_sparsity[0]"), _unit(value[1], "observed_sparsity[1]")
+        raise invalid(field, value, "[low, high]")
+    return _unit(value[0], f"{field}[0]"), _unit(value[1], f"{field}[1]")
 
 
 # --- reading ---------------------------------------------------------------------------------------------------
@@ -263,6 +266,3 @@ def write_calibration(component_dir: str | Path, calibration: SkipCalibration, s
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     if sidecar is not None:
         (Path(component_dir) / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=2) + "\n")
-
-
-# --- checkpoint defaults ---------------------------------------------------------------------------------------
