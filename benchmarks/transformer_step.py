@@ -200,8 +200,9 @@ def what_ran(handle) -> str:
     """The plan's backend and mode per role (with its number of layers), or diffusers' own processors."""
     if handle is None:
         return "diffusers"
-    per_role = Counter(f"{site.role}: {call.backend}:{call.current_mode()}" for site, call in handle.planner.calls.items())
-    return ", ".join(f"{what} ({n} layers)" for what, n in per_role.items())
+    per_role = Counter(f"{site.role}: {call.backend}:{call.current_mode()}"
+                       for site, call in handle.planner.calls.items())
+    return ", ".join(f"{what} in {n} layer{'s' * (n != 1)}" for what, n in per_role.items())
 
 
 def block_count_key(run: SpeedRun) -> str:

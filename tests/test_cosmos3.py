@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor, _rotate_half
-from helpers import max_rel_err, predicted_gate_modes
+from helpers import load_script, max_rel_err, predicted_gate_modes
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusers_trtllm import Cosmos3TrtllmAttnProcessor, enable_trtllm_attention
@@ -167,3 +167,38 @@ def test_processor_adds_no_op_to_diffusers(variant, backend):
         expected -= traced_ops(lambda: k_und * cos + _rotate_half(k_und) * sin)
     assert ours == expected
     assert backend == "TORCH_SDPA" or ours["diffusers_trtllm.attention"] == 2
+
+
+def test_layer_benchmark_runs_every_row_planned(tmp_path):
+    """benchmarks/models_attention.py, tiny: diffusers' default, then the planned rows (TORCH_SDPA bit-identical to
+    the default; the causal stream dense whatever the config), then gen_full alone on published-curve data, every
+    row also against float32."""
+    rows = load_script("benchmarks/models_attention.py").main(
+        ["--tiny", "--models", "cosmos-nano", "--warmup", "0", "--repeats", "1", "--output", str(tmp_path / "m.json")])
+    assert not [r.error for r in rows if r.error]
+    layer = {r.config: r for r in rows if "gen_full" not in r.shape}
+    attention = {r.config: r for r in rows if "gen_full" in r.shape}
+    assert list(layer) == ["diffusers default", "TORCH_SDPA", "TORCH_REFERENCE dense", "TORCH_REFERENCE SAGE fp8",
+                           "TORCH_REFERENCE SAGE fp8 + skip λ=0.5"]
+    assert layer["TORCH_SDPA"].rel_err == 0.0
+    assert layer["TORCH_REFERENCE SAGE fp8 + skip λ=0.5"].ran == (
+        "und_causal: TORCH_REFERENCE:dense, gen_full: TORCH_REFERENCE:sage-fp8_e4m3+skip")
+    assert list(attention) == ["diffusers default", "SDPA, K/V heads repeated (cuDNN)", *list(layer)[2:]]
+    assert attention["SDPA, K/V heads repeated (cuDNN)"].rel_err <= 1e-2
+    assert all(r.rel_err_fp32 is not None and r.ms > 0 for r in attention.values())
+    assert attention["TORCH_REFERENCE SAGE fp8 + skip λ=0.5"].ran == "gen_full: TORCH_REFERENCE:sage-fp8_e4m3+skip"
+
+
+def test_transformer_step_runs_cosmos3_compiled_and_eager(tmp_path):
+    """benchmarks/transformer_step.py, tiny Cosmos 3: the eager default row is not compiled beside compiled rows,
+    and each row says what its plan ran per role."""
+    result = load_script("benchmarks/transformer_step.py").main(
+        ["--tiny", "--models", "cosmos", "--compile", "blocks", "--configs", "diffusers_eager", "sage_skip",
+         "--sage-dtypes", "fp8_e4m3", "--lambdas", "0.5", "--layers", "1", "--output", str(tmp_path / "s.json")])
+    (res,) = result["results"]
+    rows = {row["label"]: row for row in res["rows"]}
+    assert res["layers"] == "1 of 2 blocks" and res["video_tokens"] == 48
+    eager, sage = rows["diffusers default processors, eager"], rows["TORCH_REFERENCE SAGE fp8_e4m3 + skip λ=0.5"]
+    assert eager["compile_s"] is None and eager["ran"] == "diffusers" and eager["ms"] > 0
+    assert sage["compile_s"] > 0 and sage["ran"] == ("und_causal: TORCH_REFERENCE:dense in 1 layer, "
+                                                     "gen_full: TORCH_REFERENCE:sage-fp8_e4m3+skip in 1 layer")

@@ -111,8 +111,8 @@ class ModelEntry:
     ``sdpa_roles``: roles or categories that stay dense on TORCH_SDPA in every TRT-LLM configuration (Wan's
     cross-attention: 512 text keys, a few percent of attention time, faster on cuDNN than on FMHAv2 and not
     proven on it for fewer queries than keys). Cosmos 3's causal text stream needs no entry: under a TRTLLM_ATTN
-    default it runs dense on TORCH_SDPA by itself (said once at install). ``frames_of`` takes the pipeline output (``output_type="np"``) to
-    one video ``[frames, H, W, C]``. ``shape_rule``: the sizes and frame counts the model takes (the same for its
+    default it runs dense on TORCH_SDPA by itself (said once at install). ``frames_of`` takes the pipeline output
+    (``output_type="np"``) to one video ``[frames, H, W, C]``. ``shape_rule``: the sizes and frame counts the model takes (the same for its
     tiny pipeline; tests/test_cli.py pins it against the built pipelines).
     """
 
@@ -153,7 +153,8 @@ _HUNYUAN15_720P_T2V_CONFIG = dict(in_channels=65, out_channels=32, num_attention
 
 # Cosmos3-Super: two towers shaped like Qwen3-VL-32B's text model, which NVIDIA initialised them from (64 layers,
 # hidden 5,120, 64 query / 8 key-value heads of 128, MLP 25,600; inferred, not read from the checkpoint): the
-# published 64 B parameters (119 GiB in bf16). The class defaults (hidden 4,096, 36 layers, 32/8 heads) are Cosmos3-Nano's.
+# published 64 B parameters (119 GiB in bf16). The class defaults (hidden 4,096, 36 layers, 32/8 heads) are
+# Cosmos3-Nano's.
 # The VAE is Wan 2.2's (16× spatial, 4× temporal); latent patches are 2 × 2, the latent padded to whole patches.
 _COSMOS3_SUPER_CONFIG = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                              num_key_value_heads=8, head_dim=128, latent_channel=48, latent_patch_size=2,
