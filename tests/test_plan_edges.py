@@ -244,3 +244,15 @@ def test_tile_counts_are_kept_as_integers():
     assert {call.counts.dtype for call in handle.planner.calls.values()} == {torch.int64}
     fields = {type(getattr(record, name)) for record in records.values() for name in ("calls", "skipped", "total")}
     assert fields == {int}
+
+
+def test_auto_says_once_per_reason_which_roles_it_runs_dense():
+    """Two roles lose different features on a CPU: one warning each, every layer of the role in it."""
+    config = {"default": {"skip_softmax": {"threshold": 0.1}},
+              "per_role": {"cross_attn": {"quant": {"dtype_qk": "int8"}}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_trtllm_attention(tiny_wan(), config).restore()
+    assert [str(w.message).split(" (")[0] for w in caught] == [
+        "diffusers_trtllm: auto runs ['self_attn'] attention dense: Skip-Softmax dropped",
+        "diffusers_trtllm: auto runs ['cross_attn'] attention dense: SAGE int8 dropped"]
