@@ -14,7 +14,7 @@ deselect="not slow and not emulated_fp8_accumulation_only_changes and not skippe
 case "$module" in
   config) sources="diffusers_trtllm/config.py"
           tests="tests/test_config.py tests/test_config_precedence.py tests/test_config_edges.py
-                 tests/test_accuracy_probe.py" ;;
+                 tests/test_accuracy_probe.py tests/test_hopper_dense_kernel.py" ;;
   quant) sources="diffusers_trtllm/quant.py"
          tests="tests/test_reference.py tests/test_semantics_edges.py tests/test_quant_edges.py" ;;
   plan) sources="diffusers_trtllm/plan.py"
