@@ -166,6 +166,11 @@ def test_processor_adds_no_op_to_diffusers(variant, backend):
         k_und = torch.randn(und.shape[0], attn.num_key_value_heads, attn.head_dim)
         expected -= traced_ops(lambda: k_und * cos + _rotate_half(k_und) * sin)
     assert ours == expected
+    # what is left: projections, norms, rotaries (a cat each: q and k of both streams, the generation stream's own
+    # text keys where they have a norm), the K/V cat, attention; no copy, clone or head repeat
+    rotated = 4 + (attn.k_norm_und_for_gen is not None)
+    assert ours["aten.cat"] == rotated + 2
+    assert not [op for op in ours if any(word in op for word in ("copy", "clone", "repeat"))]
     assert backend == "TORCH_SDPA" or ours["diffusers_trtllm.attention"] == 2
 
 
