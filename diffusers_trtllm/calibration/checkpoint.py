@@ -58,7 +58,8 @@ class _CalibrationKeyIsRead(logging.Filter):
         if not message.startswith(self.PREFIX) or self.SUFFIX not in message:
             return True
         try:
-            keys = ast.literal_eval(message[len(self.PREFIX):message.index(self.SUFFIX)])
+            # the last suffix: a config value may hold the same words, a class name cannot
+            keys = ast.literal_eval(message[len(self.PREFIX):message.rindex(self.SUFFIX)])
         except (ValueError, SyntaxError):
             return True
         return set(keys) != {CONFIG_KEY}
