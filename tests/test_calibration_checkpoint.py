@@ -4,14 +4,16 @@ from ``config.json`` and its sidecar."""
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
 from diffusers_trtllm import AttentionConfigError
-from diffusers_trtllm.calibration import (SkipCalibration, calibrations_from_transformers, load_calibration,
-                                          parse_sparse_attention_config, sparse_attention_config, write_calibration)
+from diffusers_trtllm.calibration import (SkipCalibration, calibrations_from_pretrained, calibrations_from_transformers,
+                                          load_calibration, parse_sparse_attention_config, sparse_attention_config,
+                                          write_calibration)
 from diffusers_trtllm.tiny_pipelines import tiny_wan_transformer
 from diffusers_trtllm.version import __version__
 
@@ -225,3 +227,60 @@ def test_a_bare_group_has_no_ignore_targets_target_or_gate():
     curve = parse_sparse_attention_config({"config_groups": {"g": skip_group(target_sparsity={"decode": 0.5})}})
     assert (curve.ignore, curve.targets, curve.target_sparsity, curve.disabled_until_timestep, curve.source) == \
         ((), (), None, None, "sparse_attention_config")
+
+
+def write_checkpoint(folder, entry, sidecar=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel",
+                                                    **({} if entry is None else {"sparse_attention_config": entry})}))
+    if sidecar is not None:
+        (folder / "sparse_attention_calibration.json").write_text(sidecar)
+
+
+def test_a_pipeline_folder_gives_the_curves_of_the_components_that_have_one(tmp_path):
+    write_checkpoint(tmp_path / "transformer", sparse_attention_config(SkipCalibration(2.0, 3.0)),
+                     json.dumps({"observed_sparsity": [0.1, 0.4]}))
+    write_checkpoint(tmp_path / "transformer_2", None)  # a config without a curve
+    (tmp_path / "vae").mkdir()
+    found = calibrations_from_pretrained(tmp_path)
+    assert list(found) == ["transformer"] and (found["transformer"].a, found["transformer"].sparsity_range) == \
+        (2.0, (0.1, 0.4))
+    assert found["transformer"].source == f"{tmp_path / 'transformer' / 'config.json'}: sparse_attention_config"
+    assert calibrations_from_pretrained(tmp_path, components=("transformer_2",)) == {}
+    assert load_calibration(tmp_path / "transformer_2") is None
+
+
+@pytest.mark.parametrize("name,text", [("config.json", "{'a': 1}"), ("sparse_attention_calibration.json", "[0.1,")])
+def test_a_file_that_is_not_json_is_refused_naming_it(tmp_path, name, text):
+    write_checkpoint(tmp_path, sparse_attention_config(SkipCalibration(2.0, 3.0)), "{}")
+    (tmp_path / name).write_text(text)
+    with pytest.raises(AttentionConfigError) as refused:
+        load_calibration(tmp_path)
+    assert str(refused.value).startswith(f"{tmp_path / name} is not valid JSON: ")
+
+
+def test_an_error_in_a_checkpoint_names_the_file_or_the_component():
+    entry = {"config_groups": {"g": {"algorithm": "skip_softmax", "coefficients": {"a": -1.0, "b": 1.0}}}}
+    with pytest.raises(AttentionConfigError, match=r"^transformer_2\.config\.sparse_attention_config\.config_groups"
+                                                   r"\.g\.coefficients\.a=-1\.0 is invalid"):
+        calibrations_from_transformers({"transformer_2": SimpleNamespace(config={"sparse_attention_config": entry})})
+
+
+def test_loaded_transformers_give_their_curves_read_from_their_config_and_folder(tmp_path):
+    """A model without a config or without the key has no curve (and does not stop the search); a loaded one's
+    sidecar is read from the folder it was loaded from; an explicit curve replaces the one read, and one for a
+    component that is not loaded is kept as given."""
+    entry = sparse_attention_config(SkipCalibration(2.0, 3.0))
+    write_checkpoint(tmp_path, entry, json.dumps({"observed_sparsity": [0.1, 0.4]}))
+    loaded = SimpleNamespace(config={"sparse_attention_config": entry, "_name_or_path": str(tmp_path)})
+    in_memory = SimpleNamespace(config={"sparse_attention_config": entry})  # no folder: no sidecar
+    hub = SimpleNamespace(config={"sparse_attention_config": entry, "_name_or_path": "Wan-AI/Wan2.2-T2V-A14B"})
+    found = calibrations_from_transformers({"plain": torch.nn.Linear(2, 2), "bare": SimpleNamespace(config=None),
+                                            "other": SimpleNamespace(config={"foo": 1}), "transformer": loaded,
+                                            "transformer_2": in_memory, "hub": hub})
+    assert list(found) == ["transformer", "transformer_2", "hub"]
+    assert [found[c].sparsity_range for c in found] == [(0.1, 0.4), None, None]
+    explicit = {"transformer_2": SkipCalibration(5.0, 6.0), "transformer_3": SkipCalibration(7.0, 8.0, targets=("X",))}
+    found = calibrations_from_transformers({"transformer": loaded, "transformer_2": in_memory}, explicit)
+    assert {c: cal.a for c, cal in found.items()} == {"transformer": 2.0, "transformer_2": 5.0, "transformer_3": 7.0}
+    assert found["transformer_3"] is explicit["transformer_3"]
