@@ -1,0 +1,126 @@
+"""TORCH_REFERENCE's rules at their edges: the backend runs each sequence with the semantics of the SAGE kernel it
+stands for (the CPU's for this batch's lengths and heads; a GPU kernel's batch-wide statistics and KV step), a
+sample with no valid token, and the fp8 tensor-core emulation's shapes and precision."""
+
+import pytest
+import torch
+
+from diffusers_trtllm import ops
+from diffusers_trtllm.backends import reference, run_backend
+from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
+from diffusers_trtllm.backends.reference import aligned_sum, fp8_gmma_matmul, reference_attention
+from diffusers_trtllm.backends.trtllm import fmha_v2_sage_semantics, sage_semantics
+from diffusers_trtllm.config import AttnQuantSpec
+from diffusers_trtllm.quant import SageSemantics, batch_statistics
+
+COUNTED = torch.ops.diffusers_trtllm.attention_counted
+
+
+def positional(s, h, d, seed, sharpness=3.0):
+    """q, k, v ``[S, H, D]`` float32 whose scores peak near the diagonal (tiles far from it are skippable)."""
+    g = torch.Generator().manual_seed(seed)
+    angle = torch.arange(s, dtype=torch.float64)[:, None] * torch.logspace(-3, -0.5, d // 2, dtype=torch.float64)
+    features = torch.cat([angle.sin(), angle.cos()], 1)[:, None].expand(s, h, d)
+    q, k = ((features + 0.3 * torch.randn(s, h, d, generator=g, dtype=torch.float64)) * sharpness for _ in range(2))
+    return q.float(), k.float(), torch.randn(s, h, d, generator=g)
+
+
+def test_sage_on_the_cpu_samples_query_tiles_by_the_batchs_lengths_and_query_heads():
+    """The Triton kernel's sampled skipping: its sample of query tiles depends on the batch's query lengths and
+    query heads (2 heads here: every 2nd tile; counting the 64 channels as heads would give every 4th)."""
+    s, heads, dim, tile, factor = 512, 2, 64, (16, 64), 400.0
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, s, heads, dim, generator=g) for _ in range(3))
+    q[:, :, 0] *= 3  # head 0 peakier: it skips more than head 1
+    quant = AttnQuantSpec("int8")
+    settings = ops.initial_settings(factor)
+    out, counts = COUNTED(q, k, v, None, settings, "TORCH_REFERENCE", dim ** -0.5, False, ops.encode_quant(quant),
+                          False, *tile, True)
+    semantics = sage_semantics(quant, "cpu", (s,), (s,), heads, tile)
+    assert semantics.skip_sample == (2, 0.3)
+    expected, skipped, total = reference_attention(q[0], k[0], v[0], dim ** -0.5, skip_lambda=factor / s,
+                                                   quant=semantics, tile=tile)
+    assert torch.equal(out[0], expected)
+    assert counts.tolist() == [int(skipped), total, 1, 1] and 0 < skipped
+
+
+def run_with_semantics(monkeypatch, semantics, q, k, v, lens, skip_factor, tile=(128, 128)):
+    """The backend on a packed batch, as if its SAGE kernel had ``semantics`` (a GPU's)."""
+    monkeypatch.setattr(reference, "sage_semantics", lambda *args: semantics)
+    plan = KernelPlan("TORCH_REFERENCE", 32 ** -0.5, quant=AttnQuantSpec(semantics.dtype_qk), skip_factor=skip_factor,
+                      tile=tile, count_skips=True)
+    return run_backend("TORCH_REFERENCE", VarlenQKV(q, k, v, lens, lens), plan)
+
+
+def test_batch_wide_statistics_quantize_every_sequence_with_the_whole_batchs_k_mean_and_v_scale(monkeypatch):
+    """trtllm-gen's semantics: K's mean and V's scales over every token of the batch, not per sequence (the two
+    sequences' K are offset oppositely, so the two differ)."""
+    lens = (200, 130)
+    parts = [positional(n, 2, 32, seed) for seed, n in enumerate(lens)]
+    q, k, v = (torch.cat(x) for x in zip(*parts))
+    k[:lens[0]] += 2.0
+    k[lens[0]:] -= 2.0
+    v[lens[0]:] *= 4.0
+    semantics = SageSemantics("int8", 1, 16, batch_stats=True)
+    result = run_with_semantics(monkeypatch, semantics, q, k, v, lens, 0.0)
+    k_mean, v_scale = batch_statistics(k, v)
+    rows = (slice(0, lens[0]), slice(lens[0], None))
+    for r in rows:
+        expected, _, _ = reference_attention(q[r], k[r], v[r], 32 ** -0.5, quant=semantics, k_mean=k_mean,
+                                             v_scale=v_scale)
+        assert torch.equal(result.out[r], expected)
+    own, _, _ = reference_attention(q[rows[1]], k[rows[1]], v[rows[1]], 32 ** -0.5, quant=semantics)
+    assert not torch.allclose(result.out[rows[1]], own, atol=1e-4)
+
+
+def test_skips_are_decided_per_kv_step_of_the_sage_kernel(monkeypatch):
+    """FMHAv2's SAGE kernel decides a 256-key step's tiles against the running max at the step's start."""
+    s = 1024
+    q, k, v = positional(s, 2, 32, seed=3)
+    semantics = fmha_v2_sage_semantics(64, fp8_accumulator_bits=None)  # exact sums: fast, same decisions
+    assert semantics.kv_step == 256
+    result = run_with_semantics(monkeypatch, semantics, q, k, v, (s,), 40.0)
+    expected, skipped, total = reference_attention(q, k, v, 32 ** -0.5, skip_lambda=40.0 / s, quant=semantics,
+                                                   tile=semantics.skip_tile, kv_step=256)
+    per_tile_step, skipped_per_tile_step, _ = reference_attention(q, k, v, 32 ** -0.5, skip_lambda=40.0 / s,
+                                                                  quant=semantics, tile=semantics.skip_tile)
+    assert torch.equal(result.out, expected) and result.skipped_tiles == skipped and result.total_tiles == total
+    assert skipped != skipped_per_tile_step  # the rule is exercised
+
+
+def test_a_sample_without_valid_tokens_gets_zeros():
+    """A batch whose first sample has no valid token: its rows are 0, the other sample is attended as alone."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 2, 16, generator=g)
+    out = torch.ops.diffusers_trtllm.attention(q, q, q, torch.tensor([0, 6]), ops.initial_settings(0.0),
+                                               "TORCH_REFERENCE", 0.25, False, "", False, 128, 128, True)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out[1], reference_attention(q[1], q[1], q[1], 0.25)[0], rtol=0, atol=0)
+
+
+# --- the fp8 tensor-core emulation ---------------------------------------------------------------------------
+
+def small_integers(*shape, seed):
+    """Integers in [-8, 8]: exact in fp8 e4m3, with products and sums exact in float32."""
+    return torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+@pytest.mark.parametrize("batch", [(), (2,)], ids=["matrix", "batched"])
+def test_fp8_gmma_matmul_from_a_zero_accumulator_is_the_product(batch):
+    """Without ``acc`` the sums start from zero: with a grid wide enough for every partial sum the emulation is
+    the exact product, for plain and batched matrices, more rows than one block of 256 and a last group of 8 of the
+    32 products."""
+    a, b = small_integers(*batch, 300, 40, seed=0), small_integers(*batch, 40, 24, seed=1)
+    got = fp8_gmma_matmul(a, b, 40)
+    assert got.shape == (*batch, 300, 24) and got.dtype == torch.float32
+    assert torch.equal(got, a @ b)
+
+
+def test_aligned_sum_keeps_float64_terms_in_float64():
+    """float64 terms (a float64 reference run) are truncated on their own grid, also below float32's range."""
+    tiny = 2.0 ** -140
+    terms = torch.tensor([[3 * tiny], [tiny / 3]], dtype=torch.float64)
+    got = aligned_sum(terms, 14)
+    grid = 2.0 ** (-138 - 14)  # the largest term is below 2^-138
+    assert got.dtype == torch.float64
+    assert got.item() == 3 * tiny + (tiny / 3 // grid) * grid
