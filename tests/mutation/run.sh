@@ -27,10 +27,10 @@ case "$module" in
          tests="tests/test_steps_edges.py tests/test_state_ownership.py tests/test_install_lifecycle.py
                 tests/test_semantics_edges.py tests/test_accuracy_probe.py" ;;
   ops) sources="diffusers_trtllm/ops.py"
-       tests="tests/test_dispatch_backend.py tests/test_semantics_edges.py tests/test_host_sync.py
-              tests/test_accuracy_probe.py" ;;
+       tests="tests/test_ops_edges.py tests/test_dispatch_backend.py tests/test_semantics_edges.py
+              tests/test_host_sync.py tests/test_accuracy_probe.py" ;;
   reference) sources="diffusers_trtllm/backends/reference.py"
-             tests="tests/test_reference.py tests/test_semantics_edges.py" ;;
+             tests="tests/test_reference_edges.py tests/test_reference.py tests/test_semantics_edges.py" ;;
   calibration) sources="diffusers_trtllm/calibration/*"
                tests="tests/test_calibration.py tests/test_calibration_edges.py tests/test_calibration_fit.py
                       tests/test_calibration_checkpoint.py" ;;
