@@ -48,6 +48,7 @@ from typing import Callable
 import diffusers
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_hunyuan_video15 import (HunyuanVideo15AttnProcessor2_0,
                                                                        HunyuanVideo15RotaryPosEmbed,
@@ -242,6 +243,10 @@ def measure(row: Row, fn: Callable[[], list[torch.Tensor]], reference: list[torc
     return reference
 
 
+def progress(row: Row) -> None:
+    print(f"[{row.shape}] {row.config} ...", file=sys.stderr, flush=True)
+
+
 def failed(row: Row, exc: Exception, device: torch.device) -> None:
     row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
     if device.type == "cuda":
@@ -258,6 +263,7 @@ def bench_case(case: Case, device: torch.device, warmup: int, repeats: int) -> l
 
     for label, config in {DEFAULT_LABEL: None, **case.configs}.items():
         row = Row(case.model, case.shape, label)
+        progress(row)
         try:
             context, what_ran = installed(case, config) if config is not None else (contextlib.nullcontext(),
                                                                                    lambda: "diffusers")
@@ -308,14 +314,16 @@ def bench_gen_full(case: Case, device: torch.device, warmup: int, repeats: int, 
 
     def repeated_heads():
         groups = q.shape[2] // k.shape[2]
-        return [F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(groups, dim=2).transpose(1, 2),
-                                               v.repeat_interleave(groups, dim=2).transpose(1, 2)).transpose(1, 2)]
+        k_all, v_all = (x.repeat_interleave(groups, dim=2).transpose(1, 2) for x in (k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if device.type == "cuda" else contextlib.nullcontext():
+            return [F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all).transpose(1, 2)]
 
     rows, reference = [], None
     unplanned = [(DEFAULT_LABEL, default, "diffusers"), (SDPA_REPEATED_LABEL, repeated_heads, "TORCH_SDPA:dense")]
     planned = [(label, config) for label, config in case.configs.items() if label != "TORCH_SDPA"]
     for label, fn_or_config, ran in unplanned + [(label, config, None) for label, config in planned]:
         row = Row(case.model, shape, label, compared_to=DEFAULT_LABEL)
+        progress(row)
         try:
             context = contextlib.nullcontext() if ran else installed(case, fn_or_config)[0]
             with context, torch.no_grad():
