@@ -284,3 +284,8 @@ def test_loaded_transformers_give_their_curves_read_from_their_config_and_folder
     found = calibrations_from_transformers({"transformer": loaded, "transformer_2": in_memory}, explicit)
     assert {c: cal.a for c, cal in found.items()} == {"transformer": 2.0, "transformer_2": 5.0, "transformer_3": 7.0}
     assert found["transformer_3"] is explicit["transformer_3"]
+
+
+def test_coefficients_below_1_are_read_as_given():
+    curve = parse_sparse_attention_config({"config_groups": {"g": skip_group(coefficients={"a": 0.05, "b": 0.5})}})
+    assert (curve.a, curve.b) == (0.05, 0.5)
