@@ -13,8 +13,11 @@ import torch
 
 from diffusers_trtllm import ops
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
+from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.errors import BackendUnavailableError
+
+from test_semantics_edges import positional_qkv
 
 ATTENTION = torch.ops.diffusers_trtllm.attention
 COUNTED = torch.ops.diffusers_trtllm.attention_counted
@@ -64,6 +67,24 @@ def test_valid_lengths_confine_each_sample_to_its_prefix_and_zero_its_padding(ba
     out = ATTENTION(*op_args(q, k, v, lengths, backend=backend))
     torch.testing.assert_close(out, exact_attention(q, k, v, 0.3, valid_lengths=lengths), **TIGHT)
     assert torch.equal(out[0, 3:], torch.zeros_like(out[0, 3:]))
+
+
+# --- the skip value: FlashInfer's factor, or λ per key length ---------------------------------------------------
+
+@pytest.mark.parametrize("per_kv_len", [False, True])
+def test_the_skip_value_is_the_factor_unless_it_is_lambda_per_key_length(per_kv_len):
+    """128 queries on 384 keys: settings[SKIP] is FlashInfer's factor (λ = factor / 384), or with ``per_kv_len``
+    λ itself (factor = λ · 384); both give λ = 2^-6 here (λ · 384 or λ / 384 would skip another number of tiles)."""
+    lam, skv, scale = 2.0 ** -6, 384, 32 ** -0.5
+    torch.manual_seed(0)
+    q, k = positional_qkv(torch.linspace(0, skv - 1, 128)), positional_qkv(torch.arange(skv))
+    v = torch.randn(skv, 2, 32)
+    value = lam if per_kv_len else lam * skv
+    out, counts = COUNTED(*op_args(q[None], k[None], v[None], skip=value, scale=scale, per_kv_len=per_kv_len,
+                                   tile=(64, 64)))
+    expected, skipped, total = reference_attention(q, k, v, scale, skip_lambda=lam, tile=(64, 64))
+    assert 0 < skipped < total
+    assert torch.equal(out[0], expected) and counts.tolist() == [int(skipped), total, 1, 1]
 
 
 # --- the gradient: dense attention's, with the forward's scale, causality, heads and prefixes --------------------

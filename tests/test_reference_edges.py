@@ -13,16 +13,15 @@ from diffusers_trtllm.backends.trtllm import fmha_v2_sage_semantics, sage_semant
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.quant import SageSemantics, batch_statistics
 
+from test_semantics_edges import positional_qkv
+
 COUNTED = torch.ops.diffusers_trtllm.attention_counted
 
 
-def positional(s, h, d, seed, sharpness=3.0):
-    """q, k, v ``[S, H, D]`` float32 whose scores peak near the diagonal (tiles far from it are skippable)."""
-    g = torch.Generator().manual_seed(seed)
-    angle = torch.arange(s, dtype=torch.float64)[:, None] * torch.logspace(-3, -0.5, d // 2, dtype=torch.float64)
-    features = torch.cat([angle.sin(), angle.cos()], 1)[:, None].expand(s, h, d)
-    q, k = ((features + 0.3 * torch.randn(s, h, d, generator=g, dtype=torch.float64)) * sharpness for _ in range(2))
-    return q.float(), k.float(), torch.randn(s, h, d, generator=g)
+def positional(n: int):
+    """q, k, v ``[n, 2, 32]`` float32 whose scores peak near the diagonal (tiles far from it are skippable)."""
+    positions = torch.arange(n)
+    return positional_qkv(positions), positional_qkv(positions), torch.randn(n, 2, 32)
 
 
 def test_sage_on_the_cpu_samples_query_tiles_by_the_batchs_lengths_and_query_heads():
@@ -56,7 +55,8 @@ def test_batch_wide_statistics_quantize_every_sequence_with_the_whole_batchs_k_m
     """trtllm-gen's semantics: K's mean and V's scales over every token of the batch, not per sequence (the two
     sequences' K are offset oppositely, so the two differ)."""
     lens = (200, 130)
-    parts = [positional(n, 2, 32, seed) for seed, n in enumerate(lens)]
+    torch.manual_seed(0)
+    parts = [positional(n) for n in lens]
     q, k, v = (torch.cat(x) for x in zip(*parts))
     k[:lens[0]] += 2.0
     k[lens[0]:] -= 2.0
@@ -76,7 +76,8 @@ def test_batch_wide_statistics_quantize_every_sequence_with_the_whole_batchs_k_m
 def test_skips_are_decided_per_kv_step_of_the_sage_kernel(monkeypatch):
     """FMHAv2's SAGE kernel decides a 256-key step's tiles against the running max at the step's start."""
     s = 1024
-    q, k, v = positional(s, 2, 32, seed=3)
+    torch.manual_seed(3)
+    q, k, v = positional(s)
     semantics = fmha_v2_sage_semantics(64, fp8_accumulator_bits=None)  # exact sums: fast, same decisions
     assert semantics.kv_step == 256
     result = run_with_semantics(monkeypatch, semantics, q, k, v, (s,), 40.0)
