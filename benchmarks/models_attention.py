@@ -22,8 +22,10 @@ processors against diffusers' default processors, at the 720p shapes.
 Each row: median of ``--repeats`` calls timed with CUDA events after ``--warmup`` calls (the first TRTLLM_ATTN
 call on a Hopper machine JIT-builds FMHAv2 before timing starts), relative error ``||out - ref|| / ||ref||`` over
 the outputs the model uses (HunyuanVideo: video tokens and valid text tokens) against diffusers' default and the
-1e-2 bf16 tolerance, and what ran (``role: backend:mode``). A configuration that cannot run is a row with the
-reason. ``--tiny``: tiny shapes on the CPU with TORCH_REFERENCE as the feature backend (a smoke test).
+1e-2 bf16 tolerance, what the plan ran (``role: backend:mode``) and, on a GPU, the kernel that took the most time
+in one call (torch's SDPA takes FlashAttention-2 for grouped heads, which cuDNN does not take). A configuration
+that cannot run is a row with the reason. ``--tiny``: tiny shapes on the CPU with TORCH_REFERENCE as the feature
+backend (a smoke test).
 
     PYTHONPATH=. python benchmarks/models_attention.py             # CUDA; JSON to $OUT/models_attention.json
     PYTHONPATH=. python benchmarks/models_attention.py --models cosmos-super cosmos-nano --repeats 5
@@ -118,6 +120,7 @@ class Row:
     rel_err_fp32: float | None = None
     within_tolerance: bool | None = None
     ran: str = ""
+    kernel: str = ""  # the GPU kernel that took the most time in one call (what torch or the plan really ran)
     compared_to: str | None = None  # the reference row's config
     error: str = ""
     calls_ms: list = field(default_factory=list)
@@ -240,7 +243,19 @@ def measure(row: Row, fn: Callable[[], list[torch.Tensor]], reference: list[torc
     del outputs
     row.calls_ms = timed_calls(fn, device, warmup, repeats)
     row.ms = statistics.median(row.calls_ms)
+    if device.type == "cuda":
+        row.kernel = longest_kernel(fn)
     return reference
+
+
+def longest_kernel(fn: Callable[[], object]) -> str:
+    """The name of the GPU kernel with the most time in one call of ``fn`` (e.g. whether torch's SDPA took cuDNN
+    or FlashAttention-2)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    return max(events, key=lambda e: e.device_time_total).key[:80] if events else ""
 
 
 def progress(row: Row) -> None:
@@ -342,11 +357,11 @@ def bench_gen_full(case: Case, device: torch.device, warmup: int, repeats: int, 
 
 def markdown(rows: list[Row]) -> str:
     lines = ["| model | shape | config | ms (median) | × default | rel. err vs default | ≤ 1e-2 | rel. err vs "
-             "float32 | ran |", "|---|---|---|---:|---:|---:|:-:|---:|---|"]
+             "float32 | ran | longest GPU kernel |", "|---|---|---|---:|---:|---:|:-:|---:|---|---|"]
     reference_ms = {(r.shape, r.config): r.ms for r in rows}
     for r in rows:
         if r.error:
-            lines.append(f"| {r.model} | {r.shape} | {r.config} | – | – | – | – | – | not run: {r.error} |")
+            lines.append(f"| {r.model} | {r.shape} | {r.config} | – | – | – | – | – | not run: {r.error} | |")
             continue
         speedup = reference_ms.get((r.shape, r.compared_to))
         speedup = f"{speedup / r.ms:.2f}×" if speedup else "–"
@@ -354,7 +369,7 @@ def markdown(rows: list[Row]) -> str:
         ok = "" if r.within_tolerance is None else ("yes" if r.within_tolerance else "**no**")
         fp32 = "–" if r.rel_err_fp32 is None else f"{r.rel_err_fp32:.2e}"
         lines.append(f"| {r.model} | {r.shape} | {r.config} | {r.ms:.2f} | {speedup} | {err} | {ok} | {fp32} | "
-                     f"{r.ran} |")
+                     f"{r.ran} | {r.kernel} |")
     return "\n".join(lines)
 
 
