@@ -349,6 +349,7 @@ def test_gpu_fewer_queries_match_the_reference_of_the_kernels_semantics(gen_leng
     qkv = cosmos_like(600, gen_lengths)
     plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=AttnQuantSpec("fp8_e4m3"), skip_factor=skip_factor)
     assert trtllm.sage_semantics(plan.quant, "cuda", qkv.seqlens_q, qkv.seqlens_kv).q_padded_to_kv
+    first = run_backend("TRTLLM_ATTN", qkv, plan).out  # builds or loads the kernels, copies the lengths once
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")  # the call plans from host lengths: no read of a device tensor
@@ -356,6 +357,7 @@ def test_gpu_fewer_queries_match_the_reference_of_the_kernels_semantics(gen_leng
         out = run_backend("TRTLLM_ATTN", qkv, plan).out
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+    assert torch.equal(out, first)
     ref = run_backend("TORCH_REFERENCE", qkv, plan)
     exact = run_backend("TORCH_REFERENCE", qkv, KernelPlan("TORCH_REFERENCE", SCALE))
     if skip_factor:
@@ -383,6 +385,48 @@ def test_gpu_a_mixed_query_tile_is_attended_whole():
                                       tile=fmha_v2_sage.SKIP_TILE, kv_step=semantics.kv_step)
     assert _rel(out[64:], padded[64:]) < 5e-3
     assert _rel(out[64:], plain[64:]) > 10 * _rel(out[64:], padded[64:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["sage-fp8", "sage-fp8+skip"])
+def test_gpu_cosmos3_generation_stream_runs_fmha_v2_sage_without_a_sync(monkeypatch, config):
+    """Through the Cosmos 3 processor on a tiny transformer at head_dim 128: the generation stream (fewer queries
+    than keys) reaches the FMHAv2 SAGE kernel, and a block's call makes no host-device sync (the transformer's own
+    forward code around the blocks syncs by itself: tests/test_gpu_compile.py's module docstring)."""
+    _hopper()
+    from diffusers_trtllm import enable_trtllm_attention
+    from helpers import rel_err
+    from test_gpu_compile import CONFIGS, TOLERANCE, block_arguments, cosmos3, output, to_gpu
+
+    calls = []
+    kernel = fmha_v2_sage.fmha_v2_sage_attention
+
+    def recorded(q, k, v, cu_seqlens, seqlens, scale, **kwargs):
+        calls.append((kwargs.get("seqlens_q"), seqlens))
+        return kernel(q, k, v, cu_seqlens, seqlens, scale, **kwargs)
+
+    monkeypatch.setattr(fmha_v2_sage, "fmha_v2_sage_attention", recorded)
+    torch.manual_seed(0)
+    model, blocks, inputs = cosmos3()
+    model = model.to("cuda", torch.bfloat16)
+    inputs = {key: to_gpu(value) for key, value in inputs.items()}
+    with torch.no_grad():
+        default = output(model, inputs)
+        with enable_trtllm_attention(model, {"default": {"backend": "TRTLLM_ATTN", **CONFIGS[config]}}):
+            arguments, eager = block_arguments(model, blocks, inputs)
+            assert rel_err(eager, default) < TOLERANCE[config]
+            assert calls and all(seqlens_q is not None and all(map(int.__lt__, seqlens_q, seqlens))
+                                 for seqlens_q, seqlens in calls), calls
+            calls.clear()
+            torch.cuda.synchronize()
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for block, (args, kwargs) in zip(blocks[1:], arguments[1:]):
+                    block(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+    assert len(calls) == len(blocks) - 1
 
 
 if __name__ == "__main__":
