@@ -23,9 +23,9 @@ self-attention, faster on cross-attention and with fewer queries than keys); ``f
 (neither of the others skips). The call site's route carries the choice (``TRTLLM_ATTN+flash_attn4``); the plain
 route ``TRTLLM_ATTN`` (calls not planned at install) runs FMHAv2.
 
-SAGE block sizes left unset (``None``) take the fastest kernel of the GPU (logged once; on Hopper fp8
-self-attention FMHAv2 with one K scale per sequence and head); an explicit block size or dtype without a kernel on
-the GPU is refused, naming what the GPU offers (:func:`sage_block_sizes`).
+SAGE block sizes left unset (``None``) take the fastest kernel of the GPU (logged once; on Hopper fp8 with no
+more queries than keys per sequence, FMHAv2 with one K scale per sequence and head); an explicit block size or
+dtype without a kernel on the GPU is refused, naming what the GPU offers (:func:`sage_block_sizes`).
 
 Declared constraints (:func:`unavailable_reason` returns the first that fails, as a sentence):
 
