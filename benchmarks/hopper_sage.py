@@ -19,9 +19,21 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
 5. ``floor``: each skipping kernel with every tile after the first skipped (what a skipped tile still costs).
 6. ``ratio``: cuDNN SDPA and the default FMHAv2 SAGE kernel timed alternately (which goes first alternates between
    rounds), the per-round ratio's median/range.
+7. ``table``: issue 35's kernel table in one run, through TRTLLM_ATTN's own entry point where the package runs it:
+   cuDNN SDPA; TRTLLM_ATTN dense as routed at install (FlashAttention-4 where installed, else cuDNN) and with
+   FMHAv2 pinned; FlashAttention-4 bf16 called directly; TRTLLM_ATTN SAGE fp8 and int8 on random data; on
+   published-curve data TRTLLM_ATTN SAGE fp8 + skip and bf16 + skip at each s. Each row: ms, × cuDNN, TFLOP/s,
+   error vs float32; a roofline line from measured matmul peaks (fp8 e4m3 ``torch._scaled_mm`` with fast
+   accumulation and bf16 ``torch.mm``, 8192³) and each row's fraction of its peak; a markdown table at the end.
+8. ``shapes``: the dense kernels TRTLLM_ATTN routes to on Hopper (cuDNN, FMHAv2, FlashAttention-4) against torch
+   SDPA as diffusers' default calls it at Wan's cross-attention, Cosmos 3's generation stream (fewer queries than
+   keys, GQA) and a ragged HunyuanVideo 1.5 CFG pair, and which one ``auto`` picks.
 
-    python benchmarks/hopper_sage.py          # writes $OUT/hopper_sage.json (or ./ without $OUT)
-    python benchmarks/hopper_sage.py --quick  # small shapes only (a check of the script)
+    python benchmarks/hopper_sage.py                  # writes $OUT/hopper_sage.json (or ./ without $OUT)
+    python benchmarks/hopper_sage.py --quick          # small shapes only (a check of the script)
+    python benchmarks/hopper_sage.py --dry-run        # the table and shapes sections on a CPU, every kernel
+                                                      # replaced by TORCH_REFERENCE at tiny shapes (a check of
+                                                      # the plumbing)
 """
 
 from __future__ import annotations
@@ -41,7 +53,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.data import published_curve_qkv, random_qkv, skip_factor  # noqa: E402
-from diffusers_trtllm.backends import trtllm  # noqa: E402
+from diffusers_trtllm.backends import run_backend, trtllm  # noqa: E402
+from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV  # noqa: E402
+from diffusers_trtllm.config import FLASH_ATTN4, AttnQuantSpec  # noqa: E402
+from diffusers_trtllm.kernels import flash_attn4  # noqa: E402
 from diffusers_trtllm.backends.reference import fp8_gmma_matmul, reference_attention  # noqa: E402
 from diffusers_trtllm.kernels import fmha_v2_sage, flashinfer_fmha, triton_sage  # noqa: E402
 from diffusers_trtllm.quant import SageSemantics  # noqa: E402
@@ -50,7 +65,9 @@ OUT = os.environ.get("OUT", ".")
 SCALE = 128 ** -0.5
 SPARSITIES = (0.3, 0.5, 0.65, 0.75)
 ERROR_HEADS = 2  # heads compared against float32 attention at the Wan shape
+PEAK_GEMM = 8192  # square GEMM size of the matmul peaks
 results: dict = {"rows": []}
+dry_run = False  # --dry-run: the table on a CPU with TORCH_REFERENCE, timed on the host clock
 
 
 def log(section: str, **row) -> None:
@@ -70,7 +87,11 @@ def bench_ms(fn, iters: int = 5) -> float:
 
 
 def time_ms(fn) -> float:
-    """One call of ``fn``, timed with CUDA events."""
+    """One call of ``fn``, timed with CUDA events (with ``--dry-run``: the host clock)."""
+    if dry_run:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -108,8 +129,9 @@ def sdpa(q, k, v, backend=SDPBackend.CUDNN_ATTENTION) -> torch.Tensor:
 
 def exact(q, k, v) -> torch.Tensor:
     """Float32 attention (``[S, H, D]``), head by head."""
-    return torch.cat([sdpa(q[:, h:h + 1].float(), k[:, h:h + 1].float(), v[:, h:h + 1].float(),
-                           SDPBackend.EFFICIENT_ATTENTION) for h in range(q.shape[1])], dim=1)
+    backend = SDPBackend.MATH if q.device.type == "cpu" else SDPBackend.EFFICIENT_ATTENTION
+    return torch.cat([sdpa(q[:, h:h + 1].float(), k[:, h:h + 1].float(), v[:, h:h + 1].float(), backend)
+                      for h in range(q.shape[1])], dim=1)
 
 
 def fmha_semantics(kernel, accumulator_bits: int | None = trtllm.SM90_FP8_ACCUMULATOR_BITS) -> SageSemantics:
@@ -377,23 +399,192 @@ def skip_curve_pairs(tokens: int, heads: int, rounds: int = 30) -> None:
         log("curvepairs", s=s, median_ms=median_times(times))
 
 
+# ------------------------------------------------------------------------------------------------ issue 35's table
+
+
+def matmul_peak_tflops(kind: str, n: int, device: str) -> float:
+    """TFLOP/s of an ``n``³ GEMM: ``fp8`` e4m3 through ``torch._scaled_mm`` with fast accumulation (how FMHAv2's
+    fp8 MMAs sum), ``bf16`` through ``torch.mm``; 20 back-to-back calls per timing."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    a, b = (torch.randn(n, n, device=device, generator=gen) for _ in range(2))
+    if kind == "fp8":
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as _scaled_mm wants
+        one = torch.ones((), device=device)
+        gemm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,  # noqa: E731
+                                        use_fast_accum=True)
+    else:
+        a, b = a.bfloat16(), b.bfloat16()
+        gemm = lambda: a @ b  # noqa: E731
+    calls = 20
+    ms = bench_ms(lambda: [gemm() for _ in range(calls)]) / calls
+    return 2 * n ** 3 / ms / 1e9
+
+
+def routed(route: str, tokens: int, quant: AttnQuantSpec | None = None, factor: float = 0.0):
+    """Attention through the backend entry point the package's op calls, on a planned ``route`` (with
+    ``--dry-run``: TORCH_REFERENCE with the same plan)."""
+    route = "TORCH_REFERENCE" if dry_run else route
+    plan = KernelPlan(route, SCALE, skip_factor=factor, quant=quant)
+    return lambda q, k, v: run_backend(route, VarlenQKV(q, k, v, (tokens,), (tokens,)), plan).out
+
+
+def kernel_table(tokens: int, heads: int) -> None:
+    device = "cpu" if dry_run else "cuda"
+    fp8_peak = matmul_peak_tflops("fp8", 256 if dry_run else PEAK_GEMM, device)
+    bf16_peak = matmul_peak_tflops("bf16", 256 if dry_run else PEAK_GEMM, device)
+    flops = 4 * tokens * tokens * 128 * heads
+    log("table", roofline=dict(fp8_matmul_tflops=fp8_peak, bf16_matmul_tflops=bf16_peak,
+                               gemm=f"{PEAK_GEMM}^3" if not dry_run else "256^3", shape_tflop=flops / 1e12,
+                               ms_at_fp8_peak=flops / fp8_peak / 1e9, ms_at_bf16_peak=flops / bf16_peak / 1e9))
+    route = "TORCH_REFERENCE" if dry_run else trtllm.dense_route(device)
+    fa4 = None if dry_run else flash_attention_4()
+    fa4_name = f"FlashAttention-4 bf16 (flash-attn-4 {flash_attn4.installed_version() or 'not installed'})"
+    random_rows = [
+        ("cuDNN SDPA", "bf16", lambda q, k, v: sdpa(q, k, v, SDPBackend.MATH if dry_run else
+                                                    SDPBackend.CUDNN_ATTENTION)),
+        (f"TRTLLM_ATTN dense, as routed ({trtllm.dense_kernel_of(route) or route})", "bf16", routed(route, tokens)),
+        ("TRTLLM_ATTN dense, FMHAv2 pinned", "bf16", routed("TRTLLM_ATTN+fmha_v2", tokens)),
+        (fa4_name, "bf16", fa4),
+        ("TRTLLM_ATTN SAGE fp8 (FMHAv2, default blocks)", "fp8", routed("TRTLLM_ATTN", tokens,
+                                                                       AttnQuantSpec("fp8_e4m3"))),
+        ("TRTLLM_ATTN SAGE int8 (Triton)", "int8", routed("TRTLLM_ATTN", tokens, AttnQuantSpec("int8")))]
+    table = []
+
+    def row(name, kind, fn, data, reference, cudnn_ms=None, **extra):
+        if fn is None:
+            log("table", kernel=name, error="not available: " + (flash_attn4.unavailable_reason() or "dry run"))
+            return None
+        try:
+            ms = bench_ms(lambda: fn(*data))
+            err = rel_err(fn(*data)[:, :ERROR_HEADS], reference)
+        except Exception:  # noqa: BLE001 - reported, the rest of the table goes on
+            log("table", kernel=name, error=traceback.format_exc()[-2000:])
+            return None
+        peak = bf16_peak if kind == "bf16" else fp8_peak
+        entry = dict(kernel=name, ms=ms, x_cudnn=(cudnn_ms or ms) / ms, tflops=flops / ms / 1e9,
+                     err_vs_fp32=err, peak="bf16 matmul" if kind == "bf16" else "fp8 matmul",
+                     fraction_of_peak=flops / ms / 1e9 / peak, **extra)
+        log("table", **entry)
+        table.append(entry)
+        return ms
+
+    data = random_qkv(tokens, heads, device=device)
+    reference = exact(*(x[:, :ERROR_HEADS] for x in data))
+    cudnn_ms = row(*random_rows[0], data, reference, dataset="random N(0, 1)")
+    if cudnn_ms is None:
+        raise SystemExit("cuDNN SDPA did not run: no baseline for the table")
+    for name, kind, fn in random_rows[1:]:
+        row(name, kind, fn, data, reference, cudnn_ms, dataset="random N(0, 1)")
+    del data, reference
+    data = published_curve_qkv(tokens, heads, device=device)
+    reference = exact(*(x[:, :ERROR_HEADS] for x in data))
+    row("cuDNN SDPA (published-curve data)", "bf16", random_rows[0][2], data, reference, cudnn_ms,
+        dataset="published curve")
+    for s in SPARSITIES:
+        factor = skip_factor(s)
+        for name, kind, quant in (("TRTLLM_ATTN SAGE fp8 + skip (FMHAv2)", "fp8", AttnQuantSpec("fp8_e4m3")),
+                                  ("TRTLLM_ATTN bf16 + skip (FMHAv2)", "bf16", None)):
+            row(f"{name}, s = {s}", kind, routed("TRTLLM_ATTN", tokens, quant, factor), data, reference, cudnn_ms,
+                dataset="published curve", s=s, skip_factor=factor)
+    print(table_markdown(table, fp8_peak, bf16_peak, flops), flush=True)
+
+
+# Dense shapes beside Wan's self-attention (name: query lengths, key lengths, query heads, key/value heads); with
+# --dry-run the same kinds of shape, tiny.
+DENSE_SHAPES = {
+    "Wan 2.2 cross-attention, 75,600 queries on 512 text keys": ((75600,), (512,), 40, 40),
+    "Cosmos 3 generation stream, 19,320 queries on 600 text + 19,320 keys, GQA 32/8": ((19320,), (19920,), 32, 8),
+    "HunyuanVideo 1.5 joint, CFG pair of 77,585 and 77,335 tokens (ragged)": ((77585, 77335), (77585, 77335), 16, 16),
+}
+DRY_RUN_SHAPES = {"cross": ((512,), (16,), 4, 4), "fewer queries than keys, GQA": ((200,), (230,), 8, 2),
+                  "ragged": ((300, 250), (300, 250), 2, 2)}
+
+
+def exact_varlen(qkv: VarlenQKV, heads: int) -> torch.Tensor:
+    """Float32 attention of the first ``heads`` query heads of every sequence (each on its own key/value head)."""
+    group = qkv.q.shape[1] // qkv.k.shape[1]
+    pieces = []
+    for q, k, v, _ in qkv.sequences():
+        pieces.append(torch.cat([exact(q[:, h:h + 1], k[:, h // group:h // group + 1], v[:, h // group:h // group + 1])
+                                 for h in range(heads)], dim=1))
+    return torch.cat(pieces)
+
+
+def dense_shapes() -> None:
+    """Each dense kernel TRTLLM_ATTN can route to on Hopper against torch SDPA as diffusers' default calls it, at
+    the other shapes the video models run: which one ``auto`` picks, and whether it is the fastest."""
+    device = "cpu" if dry_run else "cuda"
+    auto = None if dry_run else trtllm.dense_route(device)
+    kernels = {"torch SDPA (diffusers' default)": "TORCH_SDPA"}
+    kernels.update({f"TRTLLM_ATTN dense on {kernel}": f"TRTLLM_ATTN+{kernel}"
+                    for kernel in ("cudnn", "fmha_v2", "flash_attn4")})
+    for shape, (seqlens_q, seqlens_kv, heads_q, heads_kv) in (DRY_RUN_SHAPES if dry_run else DENSE_SHAPES).items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(sum(lens), heads, 128, device=device, generator=gen, dtype=torch.bfloat16)
+                   for lens, heads in ((seqlens_q, heads_q), (seqlens_kv, heads_kv), (seqlens_kv, heads_kv)))
+        qkv = VarlenQKV(q, k, v, seqlens_q, seqlens_kv)
+        reference = exact_varlen(qkv, ERROR_HEADS)
+        flops = sum(4 * nq * nkv * 128 * heads_q for nq, nkv in zip(seqlens_q, seqlens_kv))
+        baseline = None
+        for name, route in kernels.items():
+            if route.endswith(FLASH_ATTN4) and flash_attn4.unavailable_reason() is not None:
+                log("shapes", shape=shape, kernel=name, error=flash_attn4.unavailable_reason())
+                continue
+            runs = "TORCH_REFERENCE" if dry_run and route != "TORCH_SDPA" else route
+            plan = KernelPlan(runs, SCALE)
+            try:
+                ms = bench_ms(lambda: run_backend(runs, qkv, plan))
+                err = rel_err(run_backend(runs, qkv, plan).out[:, :ERROR_HEADS], reference)
+            except Exception:  # noqa: BLE001 - reported, the rest goes on
+                log("shapes", shape=shape, kernel=name, error=traceback.format_exc()[-2000:])
+                continue
+            baseline = baseline or ms
+            log("shapes", shape=shape, kernel=name, ms=ms, x_default=baseline / ms, tflops=flops / ms / 1e9,
+                err_vs_fp32=err, auto_picks=route == auto)
+
+
+def table_markdown(table: list[dict], fp8_peak: float, bf16_peak: float, flops: float) -> str:
+    lines = [f"Roofline: fp8 e4m3 matmul {fp8_peak:,.0f} TFLOP/s, bf16 matmul {bf16_peak:,.0f} TFLOP/s (measured); "
+             f"this shape's {flops:.3g} FLOPs need >= {flops / fp8_peak / 1e9:.1f} ms at the fp8 peak, "
+             f"{flops / bf16_peak / 1e9:.1f} ms at the bf16 peak.", "",
+             "| kernel | ms | × cuDNN | TFLOP/s | rel. err. vs fp32 | of the matmul peak |", "|---|---:|---:|---:|---:|---:|"]
+    for e in table:
+        lines.append(f"| {e['kernel']} | {e['ms']:.1f} | {e['x_cudnn']:.3f} | {e['tflops']:.0f} | "
+                     f"{e['err_vs_fp32']:.2e} | {e['fraction_of_peak']:.0%} ({e['peak']}) |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
-    valid = ("accumulator", "accuracy", "wan", "curve", "curve256", "curvepairs", "floor", "ratio")
-    parser.add_argument("--sections", default=",".join(valid), help=f"comma-separated: {', '.join(valid)}")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the table section on a CPU at a tiny shape, every kernel replaced by TORCH_REFERENCE")
+    valid = ("accumulator", "accuracy", "wan", "curve", "curve256", "curvepairs", "floor", "ratio", "table", "shapes")
+    parser.add_argument("--sections", default=None, help=f"comma-separated: {', '.join(valid)} (default: all; "
+                                                          "with --dry-run: table, shapes)")
     args = parser.parse_args()
-    sections = set(args.sections.split(","))
+    sections = set(args.sections.split(",")) if args.sections else set(("table", "shapes") if args.dry_run else valid)
     unknown = sections - set(valid)
     if unknown:
         parser.error(f"--sections: unknown section(s) {sorted(unknown)}; valid: {', '.join(valid)}")
+    if args.dry_run and not sections <= {"table", "shapes"}:
+        parser.error(f"--dry-run runs the table and shapes sections only; got --sections {args.sections}")
     tokens, heads = (8192, 8) if args.quick else (75600, 40)
+    if args.dry_run:
+        global dry_run
+        dry_run = True
+        results["meta"] = dict(dry_run=True, torch=torch.__version__, shape=[512, 2, 128])
+        if "table" in sections:
+            kernel_table(512, 2)
+        if "shapes" in sections:
+            dense_shapes()
+        return
     import flashinfer
 
     results["meta"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                           flashinfer=flashinfer.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           shape=[tokens, heads, 128])
-    build(bf16=bool(sections & {"wan", "curve", "curve256", "curvepairs", "floor"}))
+                           flashinfer=flashinfer.__version__, flash_attn_4=flash_attn4.installed_version(),
+                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), shape=[tokens, heads, 128])
+    build(bf16=bool(sections & {"wan", "curve", "curve256", "curvepairs", "floor", "table", "shapes"}))
     if "accumulator" in sections:
         accumulator()
     if "accuracy" in sections:
@@ -414,6 +605,10 @@ def main() -> None:
         skip_curve_pairs(tokens, heads)
     if "floor" in sections:
         skip_floor(tokens, heads, cudnn_ms)
+    if "table" in sections:
+        kernel_table(tokens, heads)
+    if "shapes" in sections:
+        dense_shapes()
 
 
 if __name__ == "__main__":
