@@ -9,13 +9,15 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
 
-from diffusers_trtllm import BACKEND_NAME, AttentionConfigError, enable_trtllm_attention, set_dispatch_config
-from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
+from diffusers_trtllm import (BACKEND_NAME, AttentionConfigError, BackendUnavailableError, enable_trtllm_attention,
+                              set_dispatch_config)
+from diffusers_trtllm.backends import base as backend_base
+from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV, KernelPlan, VarlenQKV, get_backend
 from diffusers_trtllm.calibration.curve import SkipCalibration
-from diffusers_trtllm.config import AccuracySpec, AttentionConfig, AttnQuantSpec
+from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttnQuantSpec
 from diffusers_trtllm.ops import PROBE
 from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite
-from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline
+from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_transformer, tiny_wan22_pipeline
 
 from helpers import cosmos3_transformer_call, tiny_wan, wan_inputs
 
@@ -256,3 +258,82 @@ def test_auto_says_once_per_reason_which_roles_it_runs_dense():
     assert [str(w.message).split(" (")[0] for w in caught] == [
         "diffusers_trtllm: auto runs ['self_attn'] attention dense: Skip-Softmax dropped",
         "diffusers_trtllm: auto runs ['cross_attn'] attention dense: SAGE int8 dropped"]
+
+
+# --- what the planner asks a backend at install --------------------------------------------------------------------
+
+class StandInTrtllm:
+    """TRTLLM_ATTN replaced in the registry by a stand-in that records what the planner asks it (the kernel plan
+    and the shapes, dtype and lengths of the probe tensors standing for a site's calls) and, like the real one,
+    refuses causal attention; ``dense_reason`` set: it runs SAGE but not dense attention (FlashInfer missing on
+    Hopper, where SAGE runs on this package's Triton kernel)."""
+
+    def __init__(self, monkeypatch, dense_reason: str | None = None):
+        self.asked, self.dense_reason = [], dense_reason
+        monkeypatch.setitem(backend_base._REGISTRY, TRTLLM_ATTN, backend_base.FunctionBackend(
+            TRTLLM_ATTN, self.check, get_backend(TORCH_REFERENCE).runner, get_backend(TRTLLM_ATTN).priority))
+
+    def check(self, plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+        self.asked.append((plan, [(tuple(x.shape), x.dtype) for x in (qkv.q, qkv.k, qkv.v)], tuple(qkv.seqlens_q),
+                           tuple(qkv.seqlens_kv)))
+        if plan.causal:
+            return "it runs non-causal attention only"
+        return self.dense_reason if plan.quant is None else None
+
+
+def test_each_site_is_planned_with_its_heads_head_dim_dtype_causality_and_features(monkeypatch):
+    """Cosmos 3 in bf16 (4 query heads on 2 key/value heads of 16 channels): the generation stream is asked with
+    Skip-Softmax and SAGE; the causal text stream, which takes neither, is asked causal and dense, then (refused)
+    whether it would run non-causal, then ``auto`` picks its backend; it runs on TORCH_SDPA, said once."""
+    trtllm = StandInTrtllm(monkeypatch)
+    config = {"default": {"backend": "TRTLLM_ATTN", "skip_softmax": {"threshold": 0.1}, "quant": {"dtype_qk": "int8"}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = enable_trtllm_attention(tiny_cosmos3_transformer().to(torch.bfloat16), config)
+    modes = {(site.role, call.backend, call.mode(call.skip is not None)) for site, call in handle.planner.calls.items()}
+    handle.restore()
+    assert modes == {("und_causal", "TORCH_SDPA", "dense"), ("gen_full", "TRTLLM_ATTN", "sage-int8+skip")}
+    probe = ([((1, 4, 16), torch.bfloat16), ((1, 2, 16), torch.bfloat16), ((1, 2, 16), torch.bfloat16)], (1,), (1,))
+    causal, non_causal = KernelPlan(TRTLLM_ATTN, 0.25, causal=True), KernelPlan(TRTLLM_ATTN, 0.25)
+    sage_skip = KernelPlan(TRTLLM_ATTN, 0.25, skip_factor=1.0, quant=AttnQuantSpec("int8"))
+    per_layer = [(plan, *probe) for plan in (causal, non_causal, causal, sage_skip)]  # 0.25: 16 ** -0.5
+    assert trtllm.asked == per_layer * 2
+    assert len([w for w in caught if "is causal and the default backend" in str(w.message)]) == 1
+
+
+LAYER = "transformer.blocks.0.attn1 (self_attn attention, per_role key 'default')"
+
+
+@pytest.mark.parametrize("extra,refused", [
+    ({"quant": {"dtype_qk": "int8", "disabled_until_timestep": 0.5}}, True),
+    ({"quant": {"dtype_qk": "int8"}, "accuracy": {"max_error": 0.1}}, True),
+    ({"quant": {"dtype_qk": "int8"}, "accuracy": {}}, False),
+    ({"quant": {"dtype_qk": "int8"}}, False),
+], ids=["step-schedule", "guard", "probe-without-guard", "sage-always"])
+def test_sage_on_a_backend_without_dense_is_refused_where_a_step_runs_without_it(extra, refused, monkeypatch):
+    """The SAGE step schedule and the guard run a SAGE site dense at some steps (Skip-Softmax kept): the backend
+    must run that too, which is asked at install."""
+    trtllm = StandInTrtllm(monkeypatch, dense_reason="FlashInfer is not installed")
+    config = {"default": {"backend": "TRTLLM_ATTN", "skip_softmax": {"threshold": 0.1}, **extra}}
+    if refused:
+        with pytest.raises(BackendUnavailableError) as error:
+            enable_trtllm_attention(tiny_wan(), config)
+        assert str(error.value) == (
+            f"{LAYER}: the SAGE step schedule or accuracy guard runs it without SAGE at some steps, which "
+            "TRTLLM_ATTN cannot run here: FlashInfer is not installed")
+        assert trtllm.asked[-1][0] == KernelPlan(TRTLLM_ATTN, 16 ** -0.5, skip_factor=1.0)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the Triton rule's note
+            enable_trtllm_attention(tiny_wan(), config).restore()
+        assert {plan.quant for plan, *_ in trtllm.asked} == {AttnQuantSpec("int8")}
+
+
+def test_an_explicit_backend_that_cannot_run_a_role_is_refused_with_auto_as_the_fix(monkeypatch):
+    """A non-causal role: ``auto`` is the fix (a causal one is told TORCH_SDPA)."""
+    StandInTrtllm(monkeypatch, dense_reason="FlashInfer is not installed")
+    with pytest.raises(BackendUnavailableError) as error:
+        enable_trtllm_attention(tiny_wan(), {"default": {"backend": "TRTLLM_ATTN"}})
+    assert str(error.value) == (
+        f"{LAYER}: backend TRTLLM_ATTN cannot run this attention: FlashInfer is not installed. Fix: give this role "
+        "a backend that runs it, e.g. per_role {'self_attn': {\"backend\": \"auto\"}}")
