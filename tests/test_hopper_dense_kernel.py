@@ -311,6 +311,14 @@ def test_sage_steps_stay_on_the_sage_kernel_whatever_runs_dense(kernels, monkeyp
     assert sage == ["TRTLLM_ATTN+flash_attn4"] and fa4.calls == [] and fmha.calls == []
 
 
+def test_warmup_builds_the_routed_dense_kernel_beside_fmha_v2(kernels, monkeypatch):
+    fa4, fmha = kernels
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    timings = trtllm.warmup("cpu", sage=False)
+    assert list(timings) == ["sm_90 torch.bfloat16", "sm_90 torch.bfloat16 dense flash_attn4"]
+    assert len(fa4.calls) == 1 and len(fmha.calls) == 1
+
+
 # -------------------------------------------------------------------- stated in the plan and the statistics
 
 
