@@ -87,6 +87,20 @@ def test_the_skip_value_is_the_factor_unless_it_is_lambda_per_key_length(per_kv_
     assert torch.equal(out[0], expected) and counts.tolist() == [int(skipped), total, 1, 1]
 
 
+# --- the accuracy probe's sums: float64 on q's device, as the fake says --------------------------------------
+
+@pytest.mark.parametrize("rows", [0, 3])
+def test_the_probes_sums_are_float64_also_at_a_step_not_probed(rows):
+    """``attention_probed``'s third output is float64 ``[2]`` whether the step is probed or not (zeros when not):
+    a traced graph takes its dtype from the fake, so eager must match it."""
+    q, k, v = qkv(dtype=torch.float32)
+    args = list(op_args(q, k, v, skip=0.0))
+    args[4][ops.PROBE] = rows
+    errors = PROBED(*args)[2]
+    assert errors.dtype == torch.float64 and errors.shape == (2,)
+    assert (errors[1] > 0).item() == (rows > 0) and (errors[0] >= 0).item()
+
+
 # --- the gradient: dense attention's, with the forward's scale, causality, heads and prefixes --------------------
 
 def gradients(fn, q, k, v):

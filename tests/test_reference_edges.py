@@ -24,10 +24,12 @@ def positional(n: int):
     return positional_qkv(positions), positional_qkv(positions), torch.randn(n, 2, 32)
 
 
-def test_sage_on_the_cpu_samples_query_tiles_by_the_batchs_lengths_and_query_heads():
+@pytest.mark.parametrize("factor", [0.0, 400.0, 512.0], ids=["dense", "skipping", "lambda_1"])
+def test_sage_on_the_cpu_samples_query_tiles_by_the_batchs_lengths_and_query_heads(factor):
     """The Triton kernel's sampled skipping: its sample of query tiles depends on the batch's query lengths and
-    query heads (2 heads here: every 2nd tile; counting the 64 channels as heads would give every 4th)."""
-    s, heads, dim, tile, factor = 512, 2, 64, (16, 64), 400.0
+    query heads (2 heads here: every 2nd tile; counting the 64 channels as heads would give every 4th). It holds at
+    λ = 1 exactly (factor 512 on 512 keys) as below, and SAGE without skipping is the same kernel dense."""
+    s, heads, dim, tile = 512, 2, 64, (16, 64)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, s, heads, dim, generator=g) for _ in range(3))
     q[:, :, 0] *= 3  # head 0 peakier: it skips more than head 1
@@ -40,7 +42,7 @@ def test_sage_on_the_cpu_samples_query_tiles_by_the_batchs_lengths_and_query_hea
     expected, skipped, total = reference_attention(q[0], k[0], v[0], dim ** -0.5, skip_lambda=factor / s,
                                                    quant=semantics, tile=tile)
     assert torch.equal(out[0], expected)
-    assert counts.tolist() == [int(skipped), total, 1, 1] and 0 < skipped
+    assert counts.tolist() == [int(skipped), total, 1, 1] and (0 < skipped) == (factor > 0)
 
 
 def run_with_semantics(monkeypatch, semantics, q, k, v, lens, skip_factor, tile=(128, 128)):
@@ -97,6 +99,28 @@ def test_a_sample_without_valid_tokens_gets_zeros():
                                                "TORCH_REFERENCE", 0.25, False, "", False, 128, 128, True)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     torch.testing.assert_close(out[1], reference_attention(q[1], q[1], q[1], 0.25)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv_step", [0, -128])
+def test_a_kv_step_below_one_key_is_refused(kv_step):
+    q = torch.randn(8, 1, 16)
+    with pytest.raises(ValueError, match=f"^kv_step={kv_step} is not positive$"):
+        reference_attention(q, q, q, 1.0, skip_lambda=0.1, kv_step=kv_step)
+
+
+def test_one_key_per_step_is_the_smallest_kv_step():
+    """One-key tiles take one-key steps: ``kv_step=1`` is what leaving it unset gives them."""
+    q = torch.randn(8, 1, 16, generator=torch.Generator().manual_seed(0))
+    stepped = reference_attention(q, q, q, 1.0, skip_lambda=0.1, tile=(1, 1), kv_step=1)
+    assert torch.equal(stepped[0], reference_attention(q, q, q, 1.0, skip_lambda=0.1, tile=(1, 1))[0])
+
+
+def test_sampled_skipping_refuses_causal_attention_saying_so():
+    q = torch.randn(8, 1, 16)
+    with pytest.raises(ValueError, match=r"^sampled Skip-Softmax \(SageSemantics.skip_sample\) is defined for "
+                                         r"non-causal attention only$"):
+        reference_attention(q, q, q, 1.0, causal=True, skip_lambda=0.1,
+                            quant=SageSemantics("int8", 1, 16, skip_sample=(2, 0.3)))
 
 
 # --- the fp8 tensor-core emulation ---------------------------------------------------------------------------
