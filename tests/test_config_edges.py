@@ -204,3 +204,11 @@ def test_with_accuracy_puts_the_probe_on_the_default_and_every_per_role_spec(acc
                                                                  accuracy=expected)}
     assert config.default.accuracy is None and config.per_role["cross"].accuracy is None  # the original is kept
     assert probed.with_accuracy(None) == config
+
+
+def test_a_glob_using_every_wildcard_at_once_is_a_glob():
+    sites = [("transformer", f"blocks.{i}.attn{n}", role, category) for i in (1, 2)
+             for n, role, category in ((1, "self_attn", "self"), (2, "cross_attn", "cross"))]
+    config = AttentionConfig.from_dict({"per_role": {"blocks.[1]*.attn?": {"backend": "TORCH_SDPA"}}})
+    resolved = config.resolve_sites(sites)
+    assert [resolved[site][0] for site in sites] == ["blocks.[1]*.attn?"] * 2 + ["default"] * 2
