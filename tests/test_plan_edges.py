@@ -12,6 +12,7 @@ from diffusers.models.attention_dispatch import attention_backend, dispatch_atte
 from diffusers_trtllm import (BACKEND_NAME, AttentionConfigError, BackendUnavailableError, enable_trtllm_attention,
                               set_dispatch_config)
 from diffusers_trtllm.backends import base as backend_base
+from diffusers_trtllm.backends import trtllm as trtllm_backend
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV, KernelPlan, VarlenQKV, get_backend
 from diffusers_trtllm.calibration.curve import SkipCalibration
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttnQuantSpec
@@ -337,3 +338,23 @@ def test_an_explicit_backend_that_cannot_run_a_role_is_refused_with_auto_as_the_
     assert str(error.value) == (
         f"{LAYER}: backend TRTLLM_ATTN cannot run this attention: FlashInfer is not installed. Fix: give this role "
         "a backend that runs it, e.g. per_role {'self_attn': {\"backend\": \"auto\"}}")
+
+
+def test_a_trtllm_site_on_hopper_runs_its_dense_steps_on_the_dense_kernel_chosen_at_install(monkeypatch):
+    StandInTrtllm(monkeypatch)
+    monkeypatch.setattr(trtllm_backend, "gpu_arch", lambda device: "sm_90")
+    monkeypatch.setattr(trtllm_backend, "cudnn_unavailable_reason", lambda: None)
+    handle = enable_trtllm_attention(tiny_wan(), {"default": {"backend": "TRTLLM_ATTN", "dense_kernel": "cudnn"}})
+    routes = {(call.route, call.current_mode()) for call in handle.planner.calls.values()}
+    handle.restore()
+    assert routes == {("TRTLLM_ATTN+cudnn", "dense[cudnn]")}
+
+
+def test_a_dense_kernel_pinned_off_hopper_is_refused_naming_the_site(monkeypatch):
+    """On a CPU (no seam: TRTLLM_ATTN's stand-in accepts the site) the pin is what cannot run."""
+    StandInTrtllm(monkeypatch)
+    with pytest.raises(BackendUnavailableError) as refused:
+        enable_trtllm_attention(tiny_wan(), {"default": {"backend": "TRTLLM_ATTN", "dense_kernel": "cudnn"}})
+    assert str(refused.value) == (
+        f"{LAYER}: dense_kernel='cudnn' chooses among Hopper's (sm_90) dense kernels, and cpu is not a CUDA GPU; "
+        "TRTLLM_ATTN runs dense attention there on its own kernel: leave dense_kernel 'auto'")
