@@ -58,15 +58,25 @@ def qkv(batch=2, sq=5, skv=5, hq=2, hkv=2, dim=8, seed=0, dtype=torch.float64):
 
 # --- valid prefixes -------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("lengths", [[3, 5], [3, 4], [5, 5]], ids=["one_padded", "all_padded", "none_padded"])
 @pytest.mark.parametrize("backend", ["TORCH_REFERENCE", "TORCH_SDPA"])
-def test_valid_lengths_confine_each_sample_to_its_prefix_and_zero_its_padding(backend):
-    """Sample 0 keeps 3 of its 5 tokens, sample 1 all 5: rows past a prefix are 0, and no token attends to a padding
-    key."""
+def test_valid_lengths_confine_each_sample_to_its_prefix_and_zero_its_padding(backend, lengths):
+    """Samples of 5 tokens keeping their first ``lengths``: rows past a prefix are 0, and no token attends to a
+    padding key."""
     q, k, v = qkv()
-    lengths = torch.tensor([3, 5])
+    lengths = torch.tensor(lengths)
     out = ATTENTION(*op_args(q, k, v, lengths, backend=backend))
     torch.testing.assert_close(out, exact_attention(q, k, v, 0.3, valid_lengths=lengths), **TIGHT)
-    assert torch.equal(out[0, 3:], torch.zeros_like(out[0, 3:]))
+    for sample, n in enumerate(lengths.tolist()):
+        assert torch.equal(out[sample, n:], torch.zeros_like(out[sample, n:]))
+
+
+def test_a_calls_settings_start_dense_with_sage_on_and_not_probed_in_float64():
+    """The settings tensor's contract (module docstring): float64 on the host, so a skip factor keeps its digits."""
+    settings = ops.initial_settings()
+    assert settings.dtype == torch.float64 and settings.device.type == "cpu"
+    assert settings[[ops.SKIP, ops.SAGE, ops.PROBE]].tolist() == [0.0, 1.0, 0.0]
+    assert ops.initial_settings(2822.62 * 0.1)[ops.SKIP].item() == 2822.62 * 0.1
 
 
 # --- the skip value: FlashInfer's factor, or λ per key length ---------------------------------------------------
