@@ -547,7 +547,8 @@ def table_markdown(table: list[dict], fp8_peak: float, bf16_peak: float, flops: 
     lines = [f"Roofline: fp8 e4m3 matmul {fp8_peak:,.0f} TFLOP/s, bf16 matmul {bf16_peak:,.0f} TFLOP/s (measured); "
              f"this shape's {flops:.3g} FLOPs need >= {flops / fp8_peak / 1e9:.1f} ms at the fp8 peak, "
              f"{flops / bf16_peak / 1e9:.1f} ms at the bf16 peak.", "",
-             "| kernel | ms | × cuDNN | TFLOP/s | rel. err. vs fp32 | of the matmul peak |", "|---|---:|---:|---:|---:|---:|"]
+             "| kernel | ms | × cuDNN | TFLOP/s | rel. err. vs fp32 | of the matmul peak |",
+             "|---|---:|---:|---:|---:|---:|"]
     for e in table:
         lines.append(f"| {e['kernel']} | {e['ms']:.1f} | {e['x_cudnn']:.3f} | {e['tflops']:.0f} | "
                      f"{e['err_vs_fp32']:.2e} | {e['fraction_of_peak']:.0%} ({e['peak']}) |")

@@ -21,7 +21,7 @@ from diffusers.models import attention_dispatch as diffusers_dispatch
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
 from .backends.sdpa import sdpa_attention
-from .config import TORCH_SDPA, AttentionConfig
+from .config import AUTO, TORCH_SDPA, AttentionConfig
 from .errors import AttentionConfigError
 from .ops import SKIP, packed_problem
 from .plan import AttentionCall, CallSite
@@ -60,6 +60,10 @@ def set_dispatch_config(config: AttentionConfig | dict | str | None) -> None:
             "skip_softmax.disabled_until_timestep and target_sparsity need the pipeline's timestep and "
             "calibration (enable_trtllm_attention); set_dispatch_config takes skip_softmax.threshold only")
     spec = config.default
+    if spec.dense_kernel != AUTO:
+        raise AttentionConfigError(
+            f"dense_kernel={spec.dense_kernel!r} is chosen per call site at install (enable_trtllm_attention); "
+            "set_dispatch_config takes dense_kernel 'auto' only")
     _DISPATCH_CALLS.update({causal: AttentionCall.unplanned(CallSite("*", "*", "attention", "*"), spec.backend, causal,
                                                             spec.quant, skip, spec.accuracy)
                             for causal in (False, True)})

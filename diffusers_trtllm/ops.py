@@ -36,7 +36,8 @@ from .accuracy import probe_error_sums
 from .backends import run_backend, select_backend
 from .backends.base import KernelPlan, VarlenQKV
 from .backends.sdpa import sdpa_attention
-from .config import AttnQuantSpec
+from .backends.trtllm import dense_route
+from .config import TRTLLM_ATTN, AttnQuantSpec
 from .errors import warn_user
 
 
@@ -214,7 +215,8 @@ _UNPLANNED_WARNED: set[tuple[str, str]] = set()
 def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: float, quant: str) -> str:
     """The backend of a call not planned at install (``set_attention_backend("trtllm")``, the processors' unbound
     form), chosen once per kind of call: an explicit one that cannot run raises with its reason; ``auto`` that
-    drops a feature warns once per reason (not once per shape)."""
+    drops a feature warns once per reason (not once per shape). TRTLLM_ATTN's dense kernel on Hopper is
+    ``auto``'s (:func:`~.backends.trtllm.dense_route`)."""
     key = (requested, qkv.q.device, qkv.q.dtype, qkv.head_dim, qkv.q.shape[1], qkv.k.shape[1], causal,
            bool(skip_value), quant)
     if key not in _UNPLANNED_CHOICES:
@@ -226,5 +228,5 @@ def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: 
             warn_user(f"diffusers_trtllm: auto runs attention dense on {qkv.q.device}: {choice.dropped}")
         if len(_UNPLANNED_CHOICES) >= _UNPLANNED_CACHE_SIZE:
             _UNPLANNED_CHOICES.pop(next(iter(_UNPLANNED_CHOICES)))  # bounded: drop the oldest kind
-        _UNPLANNED_CHOICES[key] = choice.route
+        _UNPLANNED_CHOICES[key] = dense_route(qkv.q.device) if choice.route == TRTLLM_ATTN else choice.route
     return _UNPLANNED_CHOICES[key]

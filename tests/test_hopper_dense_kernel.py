@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_trtllm import enable_trtllm_attention
+from diffusers_trtllm import enable_trtllm_attention, ops, set_dispatch_config
 from diffusers_trtllm.backends import run_backend, trtllm
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.config import AttentionSpec, AttnQuantSpec
@@ -374,6 +374,22 @@ def test_a_skipping_site_states_dense_steps_and_skip_steps_apart(kernels):
     with torch.no_grad(), enable_trtllm_attention(model, config) as handle:
         [call] = [c for s, c in handle.planner.calls.items() if s.layer == "blocks.0.attn1"]
         assert call.mode(skipping=False) == "dense[flash_attn4]" and call.mode(skipping=True) == "skip"
+
+
+@pytest.mark.parametrize("requested", ["TRTLLM_ATTN", "auto"])
+def test_a_call_not_planned_at_install_takes_autos_dense_kernel_at_its_first_call(hopper, monkeypatch, requested):
+    monkeypatch.setattr(ops, "_UNPLANNED_CHOICES", {})
+    qkv = ragged_qkv()
+    assert ops.unplanned_backend(requested, qkv, False, 0.0, "") == "TRTLLM_ATTN+flash_attn4"
+    hopper(fa4=False)
+    assert ops.unplanned_backend(requested, qkv, False, 0.0, "") == "TRTLLM_ATTN+flash_attn4"  # chosen once
+
+
+def test_the_dispatcher_refuses_a_pinned_dense_kernel():
+    with pytest.raises(AttentionConfigError) as refused:
+        set_dispatch_config({"default": {"backend": "TRTLLM_ATTN", "dense_kernel": "cudnn"}})
+    assert str(refused.value) == ("dense_kernel='cudnn' is chosen per call site at install (enable_trtllm_attention); "
+                                  "set_dispatch_config takes dense_kernel 'auto' only")
 
 
 # -------------------------------------------------------------------------------------------------- GPU

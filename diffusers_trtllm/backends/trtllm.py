@@ -20,8 +20,8 @@ Dense steps on Hopper (no SAGE, skip value 0) run the dense kernel chosen for th
 than FMHAv2 and cuDNN at the video models' shapes), else cuDNN through torch SDPA (as fast as FMHAv2 on
 self-attention, faster on cross-attention and with fewer queries than keys); ``fmha_v2``, ``flash_attn4`` or
 ``cudnn`` pins one and raises at install where it cannot run. Skip-Softmax steps run FMHAv2 whatever the choice
-(neither of the others skips). The call site's route carries the choice (``TRTLLM_ATTN+flash_attn4``); the plain
-route ``TRTLLM_ATTN`` (calls not planned at install) runs FMHAv2.
+(neither of the others skips). The call site's route carries the choice (``TRTLLM_ATTN+flash_attn4``; calls not
+planned at install take ``auto``'s at their first call); the plain route ``TRTLLM_ATTN`` runs FMHAv2.
 
 SAGE block sizes left unset (``None``) take the fastest kernel of the GPU (logged once; on Hopper fp8 with no
 more queries than keys per sequence, FMHAv2 with one K scale per sequence and head); an explicit block size or
@@ -441,9 +441,9 @@ def dense_route(device: torch.device | str, dense_kernel: str = AUTO) -> str:
     if arch not in FMHA_V2_ARCHS:
         if dense_kernel != AUTO:
             raise BackendUnavailableError(
-                f"dense_kernel={dense_kernel!r} chooses among Hopper's (sm_90) dense kernels, and {torch.device(device)} "
-                f"is {arch or 'not a CUDA GPU'}; TRTLLM_ATTN runs dense attention there on its own kernel: leave "
-                "dense_kernel 'auto'")
+                f"dense_kernel={dense_kernel!r} chooses among Hopper's (sm_90) dense kernels, and "
+                f"{torch.device(device)} is {arch or 'not a CUDA GPU'}; TRTLLM_ATTN runs dense attention there on "
+                "its own kernel: leave dense_kernel 'auto'")
         return TRTLLM_ATTN
     if dense_kernel == AUTO:
         passed_over = {}
