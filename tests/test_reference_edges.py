@@ -101,6 +101,34 @@ def test_a_sample_without_valid_tokens_gets_zeros():
     torch.testing.assert_close(out[1], reference_attention(q[1], q[1], q[1], 0.25)[0], rtol=0, atol=0)
 
 
+def two_kept_key_tiles(key_tiles: int):
+    """64 queries on ``key_tiles`` tiles of 16 keys where every query's scores peak in key tiles 0 and 2 only: each
+    query tile keeps those two and skips the rest, a rate of (key_tiles − 2) / key_tiles."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.zeros(64, 1, 16)
+    q[..., 0] = 4.0
+    k = torch.zeros(16 * key_tiles, 1, 16)
+    k[..., 0] = -4.0
+    k[0:16, :, 0] = k[32:48, :, 0] = 4.0
+    q, k = (x + 0.1 * torch.randn(x.shape, generator=g) for x in (q, k))
+    return q, k, torch.randn(k.shape, generator=g)
+
+
+@pytest.mark.parametrize("key_tiles, pays_from, pays", [
+    (5, 0.60, True), (5, 0.61, False),  # the sample skips 3 of 5 key tiles, 60 % exactly
+    (7, 0.71, True), (7, 0.72, False),  # 5 of 7, 71.4 %: within one percent below 72 %
+])
+def test_skipping_pays_from_a_sample_rate_of_pays_from_exactly(key_tiles, pays_from, pays):
+    """The kernel's integer test, skipped · 100 >= round(pays_from · 100) · tiles: query tiles 0 and 2 are the sample
+    (every 2nd); tiles 1 and 3 skip as they do only where the sample's rate reaches ``pays_from``."""
+    q, k, v = two_kept_key_tiles(key_tiles)
+    semantics = SageSemantics("int8", 1, 16, skip_sample=(2, pays_from))
+    _, skipped, total = reference_attention(q, k, v, 0.25, skip_lambda=0.1, quant=semantics, tile=(16, 16))
+    per_query_tile = key_tiles - 2
+    assert total == 4 * key_tiles
+    assert int(skipped) == (4 if pays else 2) * per_query_tile
+
+
 @pytest.mark.parametrize("kv_step", [0, -128])
 def test_a_kv_step_below_one_key_is_refused(kv_step):
     q = torch.randn(8, 1, 16)
