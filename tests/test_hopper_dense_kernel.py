@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from diffusers_trtllm import enable_trtllm_attention, ops, set_dispatch_config
 from diffusers_trtllm.backends import run_backend, trtllm
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
-from diffusers_trtllm.config import AttentionSpec, AttnQuantSpec
+from diffusers_trtllm.config import AttentionConfig, AttentionSpec, AttnQuantSpec
 from diffusers_trtllm.errors import AttentionConfigError, BackendUnavailableError
 from diffusers_trtllm.kernels import flash_attn4, flashinfer_fmha
 from diffusers_trtllm.kernels.flashinfer_calls import FMHA_V2
@@ -191,9 +191,10 @@ def test_the_config_refuses_a_dense_kernel_naming_field_value_and_what_is_valid(
     assert str(refused.value) == message
 
 
-def test_the_config_keeps_a_pinned_dense_kernel():
-    spec = AttentionSpec.from_dict({"backend": "TRTLLM_ATTN", "dense_kernel": "fmha_v2"})
-    assert spec.dense_kernel == "fmha_v2" and AttentionSpec().dense_kernel == "auto"
+def test_the_config_keeps_a_pinned_dense_kernel_through_json():
+    config = AttentionConfig.from_json('{"default": {"backend": "TRTLLM_ATTN", "dense_kernel": "fmha_v2"}}')
+    assert config.default.dense_kernel == "fmha_v2" and AttentionSpec().dense_kernel == "auto"
+    assert AttentionConfig.from_json(config.to_json()) == config
 
 
 # ------------------------------------------------------------------------------------------ the calls (CPU)
