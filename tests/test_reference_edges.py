@@ -53,13 +53,17 @@ def run_with_semantics(monkeypatch, semantics, q, k, v, lens, skip_factor, tile=
     return run_backend("TORCH_REFERENCE", VarlenQKV(q, k, v, lens, lens), plan)
 
 
-def test_batch_wide_statistics_quantize_every_sequence_with_the_whole_batchs_k_mean_and_v_scale(monkeypatch):
+@pytest.mark.parametrize("query_heads", [2, 4], ids=["mha", "gqa"])
+def test_batch_wide_statistics_quantize_every_sequence_with_the_whole_batchs_k_mean_and_v_scale(monkeypatch,
+                                                                                                  query_heads):
     """trtllm-gen's semantics: K's mean and V's scales over every token of the batch, not per sequence (the two
-    sequences' K are offset oppositely, so the two differ)."""
+    sequences' K are offset oppositely, so the two differ); with grouped heads each key head's statistics serve
+    its query heads."""
     lens = (200, 130)
     torch.manual_seed(0)
     parts = [positional(n) for n in lens]
     q, k, v = (torch.cat(x) for x in zip(*parts))
+    q = q.repeat_interleave(query_heads // 2, dim=1)
     k[:lens[0]] += 2.0
     k[lens[0]:] -= 2.0
     v[lens[0]:] *= 4.0
@@ -167,6 +171,44 @@ def test_fp8_gmma_matmul_from_a_zero_accumulator_is_the_product(batch):
     got = fp8_gmma_matmul(a, b, 40)
     assert got.shape == (*batch, 300, 24) and got.dtype == torch.float32
     assert torch.equal(got, a @ b)
+
+
+def test_emulated_fp8_sums_on_a_grid_finer_than_float32_equal_exact_sums():
+    """The emulated path (FMHAv2's fp8 tensor-core sums) with more accumulator bits than float32 has: the same
+    output as exact sums to float32 rounding and the same skipped tiles, with grouped heads and two KV steps."""
+    torch.manual_seed(4)
+    positions = torch.arange(256)
+    q, k = positional_qkv(positions, heads=4, dim=64), positional_qkv(positions, heads=2, dim=64)
+    v = torch.randn(256, 2, 64)
+    runs = [reference_attention(q, k, v, 64 ** -0.5, skip_lambda=0.05, tile=(64, 64), kv_step=128,
+                                quant=SageSemantics("fp8_e4m3", 64, 0, p_scale=256.0, kv_step=128,
+                                                    fp8_accumulator_bits=bits)) for bits in (None, 60)]
+    (exact, skipped, total), (emulated, skipped_emulated, total_emulated) = runs
+    assert 0 < skipped == skipped_emulated and total == total_emulated
+    torch.testing.assert_close(emulated, exact, rtol=0, atol=2e-5)
+
+
+def test_emulated_fp8_sums_refuse_a_key_tile_of_a_partial_instruction_saying_so():
+    q = torch.randn(64, 1, 64)
+    with pytest.raises(ValueError, match=r"^tile=\(64, 48\): emulating fp8 tensor-core sums needs key tiles of whole "
+                                         r"32-key instructions$"):
+        reference_attention(q, q, q, 1.0, tile=(64, 48), quant=SageSemantics("fp8_e4m3", 64, 0,
+                                                                              fp8_accumulator_bits=14))
+
+
+def test_low_precision_inputs_are_computed_in_float32_and_returned_in_their_dtype():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(150, 2, 32, generator=g) for _ in range(3))
+    in_float32 = reference_attention(q, k, v, 32 ** -0.5, skip_lambda=0.01, tile=(64, 64))[0]
+    in_float64 = reference_attention(q.double(), k.double(), v.double(), 32 ** -0.5, skip_lambda=0.01,
+                                     tile=(64, 64))[0]
+    assert in_float32.dtype == torch.float32 and in_float64.dtype == torch.float64
+    assert not torch.equal(in_float32, in_float64.float())  # float32 sums, as the kernels accumulate
+    torch.testing.assert_close(in_float32, in_float64.float(), rtol=0, atol=1e-5)
+    bf16 = [x.bfloat16() for x in (q, k, v)]
+    out = reference_attention(*bf16, 32 ** -0.5, skip_lambda=0.01, tile=(64, 64))[0]
+    expected = reference_attention(*(x.float() for x in bf16), 32 ** -0.5, skip_lambda=0.01, tile=(64, 64))[0]
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected.bfloat16())
 
 
 def test_aligned_sum_keeps_float64_terms_in_float64():
