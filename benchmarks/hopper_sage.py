@@ -24,7 +24,8 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
    FMHAv2 pinned; FlashAttention-4 bf16 called directly; TRTLLM_ATTN SAGE fp8 and int8 on random data; on
    published-curve data TRTLLM_ATTN SAGE fp8 + skip and bf16 + skip at each s. Each row: ms, × cuDNN, TFLOP/s,
    error vs float32; a roofline line from measured matmul peaks (fp8 e4m3 ``torch._scaled_mm`` with fast
-   accumulation and bf16 ``torch.mm``, 8192³) and each row's fraction of its peak; a markdown table at the end.
+   accumulation and bf16 ``torch.mm``, 8192³) and each row's fraction of its peak; a markdown table at the end;
+   cuDNN, dense as routed and FlashAttention-4 also in alternating rounds (per-round ratios).
 8. ``shapes``: the dense kernels TRTLLM_ATTN routes to on Hopper (cuDNN, FMHAv2, FlashAttention-4) against torch
    SDPA as diffusers' default calls it at Wan's cross-attention, Cosmos 3's generation stream (fewer queries than
    keys, GQA) and a ragged HunyuanVideo 1.5 CFG pair, and which one ``auto`` picks.
@@ -475,6 +476,7 @@ def kernel_table(tokens: int, heads: int) -> None:
         raise SystemExit("cuDNN SDPA did not run: no baseline for the table")
     for name, kind, fn in random_rows[1:]:
         row(name, kind, fn, data, reference, cudnn_ms, dataset="random N(0, 1)")
+    dense_pair_rounds(random_rows, data)
     del data, reference
     data = published_curve_qkv(tokens, heads, device=device)
     reference = exact(*(x[:, :ERROR_HEADS] for x in data))
@@ -541,6 +543,17 @@ def dense_shapes() -> None:
             baseline = baseline or ms
             log("shapes", shape=shape, kernel=name, ms=ms, x_default=baseline / ms, tflops=flops / ms / 1e9,
                 err_vs_fp32=err, auto_picks=route == auto)
+
+
+def dense_pair_rounds(random_rows: list, data, rounds: int = 10) -> None:
+    """cuDNN SDPA, TRTLLM_ATTN dense as routed and FlashAttention-4 called directly, timed in alternating rounds:
+    per-round ratios resolve the percent or two that separate medians of separate runs."""
+    runs = {name: (lambda fn=fn: fn(*data)) for name, _, fn in random_rows[:2] + random_rows[3:4] if fn is not None}
+    times = alternating_times(runs, rounds)
+    names = list(runs)
+    log("table", rounds=rounds, median_ms=median_times(times),
+        **{f"{names[0]} / {name}": round_ratios(times, names[0], name) for name in names[1:]},
+        **({f"{names[2]} / {names[1]}": round_ratios(times, names[2], names[1])} if len(names) == 3 else {}))
 
 
 def table_markdown(table: list[dict], fp8_peak: float, bf16_peak: float, flops: float) -> str:
