@@ -25,7 +25,6 @@ from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.config import AttentionConfig, AttentionSpec, AttnQuantSpec
 from diffusers_trtllm.errors import AttentionConfigError, BackendUnavailableError
 from diffusers_trtllm.kernels import flash_attn4, flashinfer_fmha
-from diffusers_trtllm.kernels.flashinfer_calls import FMHA_V2
 
 from helpers import rel_err, tiny_wan, wan_inputs
 
