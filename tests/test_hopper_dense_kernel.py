@@ -204,12 +204,11 @@ class RecordingFlashAttention4:
     float32 attention per sequence (``exact``) or zeros, as FlashAttention-4 does: ``(out, None)``."""
 
     def __init__(self, exact: bool = True):
-        self.signature = fa4_varlen_signature()
         self.exact = exact
         self.calls = []
 
     def flash_attn_varlen_func(self, *args, **kwargs):
-        bound = self.signature.bind(*args, **kwargs)
+        bound = fa4_varlen_signature().bind(*args, **kwargs)
         bound.apply_defaults()
         self.calls.append(bound.arguments)
         if not self.exact:
