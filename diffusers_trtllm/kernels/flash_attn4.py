@@ -6,12 +6,13 @@ Skip-Softmax and no per-block SAGE, so skipping and SAGE steps stay on their own
 
 One call per batch through ``flash_attn.cute.flash_attn_varlen_func``: q ``[total_q, Hq, D]``, k/v
 ``[total_kv, Hkv, D]`` (grouped-query heads allowed), sequences delimited by int32 cumulative lengths on the
-device, the longest lengths given as host ints (so FlashAttention-4 reads no length back from the device), any
-query and key lengths. The call plan is built without importing FlashAttention-4 (its CuTe DSL needs the CUDA
-toolkit's libraries), so CPU tests bind it against the wheel's real signature.
+device (cached per batch layout by the caller), the longest lengths as host ints (FlashAttention-4 sizes its
+launch from them), any query and key lengths. The call plan is built without importing FlashAttention-4 (its CuTe
+DSL needs CUDA libraries), so CPU tests bind it against the wheel's real signature.
 
-Each new shape class JIT-compiles a kernel on its first call (seconds), cached by FlashAttention-4 for the
-process.
+Each new shape class JIT-compiles a kernel on its first call (seconds), cached for the process;
+``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` keeps the compiled kernels on disk across processes
+(FlashAttention-4's own setting).
 """
 
 from __future__ import annotations
