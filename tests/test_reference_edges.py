@@ -133,6 +133,24 @@ def test_skipping_pays_from_a_sample_rate_of_pays_from_exactly(key_tiles, pays_f
     assert int(skipped) == (4 if pays else 2) * per_query_tile
 
 
+def test_a_sample_that_always_pays_changes_nothing_else_of_the_run():
+    """With ``pays_from`` 0 every query tile skips as without a sample: the sampled and the other tiles both run with
+    the call's KV step and batch statistics."""
+    torch.manual_seed(5)
+    q, k, v = positional(512)
+    k_mean, v_scale = batch_statistics(k + 1.0, v * 3.0)  # statistics other than the sequence's own
+    run = dict(skip_lambda=0.05, tile=(64, 128), kv_step=256, k_mean=k_mean, v_scale=v_scale)
+    plain, skipped, total = reference_attention(q, k, v, 32 ** -0.5, quant=SageSemantics("int8", 1, 16), **run)
+    sampled, skipped_sampled, total_sampled = reference_attention(
+        q, k, v, 32 ** -0.5, quant=SageSemantics("int8", 1, 16, skip_sample=(2, 0.0)), **run)
+    for left_out in ("kv_step", "k_mean", "v_scale"):  # each matters here
+        other = reference_attention(q, k, v, 32 ** -0.5, quant=SageSemantics("int8", 1, 16),
+                                    **{name: value for name, value in run.items() if name != left_out})
+        assert not torch.equal(other[0], plain), left_out
+    assert 0 < skipped
+    assert torch.equal(sampled, plain) and int(skipped_sampled) == int(skipped) and total_sampled == total
+
+
 @pytest.mark.parametrize("kv_step", [0, -128])
 def test_a_kv_step_below_one_key_is_refused(kv_step):
     q = torch.randn(8, 1, 16)
