@@ -1,6 +1,7 @@
 """Shared test inputs: tiny Wan transformer calls, relative-error metrics, gate predictions, example loading."""
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -79,3 +80,12 @@ class LoopPipeline:
             self.transformer(**inputs)
             latents = self.scheduler.step(torch.zeros_like(latents), t, latents).prev_sample
         return latents
+
+
+def run_script_under_triton_interpreter(test_file: str, results_path) -> object:
+    """Run ``test_file`` as a script with ``results_path`` as its argument and load what it saved there. The
+    script's ``__main__`` sets ``TRITON_INTERPRET=1`` before Triton is imported, which a pytest process that
+    already imported Triton cannot do."""
+    proc = subprocess.run([sys.executable, test_file, str(results_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(results_path, weights_only=False)

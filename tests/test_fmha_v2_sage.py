@@ -9,7 +9,6 @@ set before Triton is imported), and every refusal. GPU (``-m gpu``, sm_90): the 
 import hashlib
 import os
 import re
-import subprocess
 import sys
 from operator import itemgetter
 from types import SimpleNamespace
@@ -27,6 +26,7 @@ from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.errors import AttentionConfigError
 from diffusers_trtllm.kernels import fmha_v2_sage
 from diffusers_trtllm.quant import SageSemantics, quantize_sequence, scale_of
+from helpers import run_script_under_triton_interpreter
 
 fmha_library = pytest.importorskip("flashinfer.jit.attention.fmha_v2.fmha_library")
 
@@ -281,10 +281,7 @@ def _run_interpreted(results_path):
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
-    path = tmp_path_factory.mktemp("fmha_v2_sage") / "packed.pt"
-    proc = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(path, weights_only=False)
+    return run_script_under_triton_interpreter(__file__, tmp_path_factory.mktemp("fmha_v2_sage") / "packed.pt")
 
 
 def _v_columns(start, n):

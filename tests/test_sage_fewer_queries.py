@@ -10,7 +10,6 @@ semantics at a Cosmos 3-like shape.
 
 import math
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":
@@ -26,6 +25,7 @@ from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.kernels import fmha_v2_sage
 from diffusers_trtllm.kernels.numerics import FP8_MAX
 from diffusers_trtllm.quant import SageSemantics, quantize_sequence, scale_of
+from helpers import run_script_under_triton_interpreter
 
 SCALE = 128 ** -0.5
 
@@ -73,10 +73,7 @@ def _run_interpreted(results_path):
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
-    path = tmp_path_factory.mktemp("sage_fewer_queries") / "packed.pt"
-    proc = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(path, weights_only=False)
+    return run_script_under_triton_interpreter(__file__, tmp_path_factory.mktemp("sage_fewer_queries") / "packed.pt")
 
 
 def _sequences():
