@@ -151,8 +151,8 @@ def test_auto_says_once_which_kernel_runs_and_what_it_passed_over(hopper, caplog
         trtllm.dense_route("cuda")
         trtllm.dense_route("cuda")
     [record] = [r.getMessage() for r in caplog.records if "dense steps" in r.getMessage()]
-    assert record == (f"TRTLLM_ATTN dense steps on sm_90 run cuDNN (torch SDPA) (Skip-Softmax steps: FMHAv2, SAGE "
-                      f"steps: the SAGE kernel); not FlashAttention-4: {NOT_INSTALLED}; the spec's dense_kernel pins "
+    assert record == (f"TRTLLM_ATTN dense steps on sm_90 run cuDNN through torch SDPA (FlashAttention-2 for "
+                      f"grouped-query heads) (Skip-Softmax steps: FMHAv2, SAGE steps: the SAGE kernel); not FlashAttention-4: {NOT_INSTALLED}; the spec's dense_kernel pins "
                       "one of ['fmha_v2', 'flash_attn4', 'cudnn']")
 
 

@@ -402,10 +402,10 @@ def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), s
 
 #: What each Hopper dense kernel is, in the words of the install log.
 DENSE_KERNEL_TITLES = {FMHA_V2_DENSE: "FMHAv2 (FlashInfer)", FLASH_ATTN4: "FlashAttention-4",
-                       CUDNN: "cuDNN (torch SDPA)"}
+                       CUDNN: "cuDNN through torch SDPA (FlashAttention-2 for grouped-query heads)"}
 ROUTE_KERNEL_SEPARATOR = "+"
-# torch SDPA's kernels for the cuDNN route, in order: where cuDNN refuses a shape, torch takes the next, as
-# diffusers' default attention does.
+# torch SDPA's kernels for the cuDNN route, in order: where cuDNN refuses a call (it takes no grouped-query heads:
+# Cosmos 3), torch takes the next, as diffusers' default attention does, so such a site runs what the default runs.
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
