@@ -105,15 +105,18 @@ def test_a_sample_without_valid_tokens_gets_zeros():
     torch.testing.assert_close(out[1], reference_attention(q[1], q[1], q[1], 0.25)[0], rtol=0, atol=0)
 
 
-def two_kept_key_tiles(key_tiles: int):
-    """64 queries on ``key_tiles`` tiles of 16 keys where every query's scores peak in key tiles 0 and 2 only: each
-    query tile keeps those two and skips the rest, a rate of (key_tiles − 2) / key_tiles."""
+def kept_key_tiles(key_tiles: int, kept=((0, 2),)):
+    """64 queries on ``key_tiles`` tiles of 16 keys; in head h every query's scores peak in the key tiles
+    ``kept[h]`` only: each query tile keeps those and skips the rest."""
     g = torch.Generator().manual_seed(0)
-    q = torch.zeros(64, 1, 16)
+    heads = len(kept)
+    q = torch.zeros(64, heads, 16)
     q[..., 0] = 4.0
-    k = torch.zeros(16 * key_tiles, 1, 16)
+    k = torch.zeros(16 * key_tiles, heads, 16)
     k[..., 0] = -4.0
-    k[0:16, :, 0] = k[32:48, :, 0] = 4.0
+    for h, tiles in enumerate(kept):
+        for t in tiles:
+            k[16 * t:16 * (t + 1), h, 0] = 4.0
     q, k = (x + 0.1 * torch.randn(x.shape, generator=g) for x in (q, k))
     return q, k, torch.randn(k.shape, generator=g)
 
@@ -125,7 +128,7 @@ def two_kept_key_tiles(key_tiles: int):
 def test_skipping_pays_from_a_sample_rate_of_pays_from_exactly(key_tiles, pays_from, pays):
     """The kernel's integer test, skipped · 100 >= round(pays_from · 100) · tiles: query tiles 0 and 2 are the sample
     (every 2nd); tiles 1 and 3 skip as they do only where the sample's rate reaches ``pays_from``."""
-    q, k, v = two_kept_key_tiles(key_tiles)
+    q, k, v = kept_key_tiles(key_tiles)
     semantics = SageSemantics("int8", 1, 16, skip_sample=(2, pays_from))
     _, skipped, total = reference_attention(q, k, v, 0.25, skip_lambda=0.1, quant=semantics, tile=(16, 16))
     per_query_tile = key_tiles - 2
@@ -149,6 +152,50 @@ def test_a_sample_that_always_pays_changes_nothing_else_of_the_run():
         assert not torch.equal(other[0], plain), left_out
     assert 0 < skipped
     assert torch.equal(sampled, plain) and int(skipped_sampled) == int(skipped) and total_sampled == total
+
+
+def test_whether_skipping_pays_is_decided_per_head():
+    """Head 0's sample skips 3 of 5 key tiles (pays at 50 %), head 1's 1 of 5 (does not): head 0's other query tiles
+    skip as its sample does, head 1's run dense."""
+    q, k, v = kept_key_tiles(5, kept=((0, 2), (0, 1, 2, 3)))
+    semantics = SageSemantics("int8", 1, 16, skip_sample=(2, 0.5))
+    _, skipped, total = reference_attention(q, k, v, 0.25, skip_lambda=0.1, quant=semantics, tile=(16, 16))
+    assert total == 2 * 4 * 5
+    assert int(skipped) == 4 * 3 + 2 * 1
+
+
+@pytest.mark.parametrize("lam, skips", [(1.0, False), (1.0 + 2.0 ** -20, True)])
+def test_a_tile_as_high_as_the_running_max_is_kept_up_to_lambda_1(lam, skips):
+    """The rule is strict, exp(tile max − running max) < λ: a key tile repeating the first one (a gap of 0, exp 1)
+    is kept at λ = 1 exactly and skipped just above it."""
+    g = torch.Generator().manual_seed(0)
+    q, first = torch.randn(16, 1, 16, generator=g), torch.randn(16, 1, 16, generator=g)
+    k = torch.cat([first, first])
+    _, skipped, total = reference_attention(q, k, torch.randn(32, 1, 16, generator=g), 0.25, skip_lambda=lam,
+                                            tile=(16, 16))
+    assert total == 2 and int(skipped) == int(skips)
+
+
+def test_a_partial_last_key_tile_is_decided_by_its_keys_alone():
+    """24 keys in tiles of 16: the last tile holds 8 keys, all far below the first tile (scores -8 against 0.5),
+    so it is skipped; its 8 missing keys do not count as scores of 0."""
+    q = torch.zeros(16, 1, 16)
+    q[..., 0] = 1.0
+    k = torch.zeros(24, 1, 16)
+    k[:16, :, 0], k[16:, :, 0] = 0.5, -8.0
+    _, skipped, total = reference_attention(q, k, torch.randn(24, 1, 16), 1.0, skip_lambda=0.1, tile=(16, 16))
+    assert total == 2 and int(skipped) == 1
+
+
+def test_a_query_tile_that_sees_no_key_skips_every_key_tile():
+    """Causal, 64 queries on 16 keys (bottom-right): query tiles 0 to 2 see no key, so their one key tile adds
+    nothing and counts as skipped; their rows are 0."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(64, 1, 16, generator=g)
+    k, v = (torch.randn(16, 1, 16, generator=g) for _ in range(2))
+    out, skipped, total = reference_attention(q, k, v, 0.25, causal=True, skip_lambda=0.01, tile=(16, 16))
+    assert total == 4 and int(skipped) == 3
+    assert torch.equal(out[:48], torch.zeros_like(out[:48])) and out[48:].abs().sum() > 0
 
 
 @pytest.mark.parametrize("kv_step", [0, -128])
