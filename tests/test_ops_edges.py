@@ -1,6 +1,7 @@
 """The attention op's rules at their edges, through ``torch.ops.diffusers_trtllm.*``: valid prefixes (forward and
-gradient), the gradient's scale, causality and grouped heads, and how an unplanned call chooses its backend (once
-per kind of call, refusing or warning by its reason, in a bounded cache).
+gradient), the settings tensor and the skip value (FlashInfer's factor, or λ per key length), the probe's sums, the
+gradient's scale, causality and grouped heads, and how an unplanned call chooses its backend (once per kind of
+call, refusing or warning by its reason, in a bounded cache).
 
 References are float64 (an explicit softmax over masked scores); the op runs TORCH_REFERENCE in float64 there, so
 agreement is to float64 rounding.
