@@ -81,3 +81,19 @@ def test_gaps_are_float64_for_float64_inputs_and_float32_otherwise(dtype, gap_dt
     q, k = peaky(128, 1).to(dtype), peaky(256, 1).to(dtype)
     assert skip_gaps(q, k, 32 ** -0.5).dtype == gap_dtype
 
+
+
+def test_tiles_of_negative_scores_at_both_ends_count_as_the_reference_does():
+    """Scores -5 on the first KV tile, 10 on the second, -5 on a half tile of 8 keys at the end: the first tile is
+    never skipped (no running max yet: gap +inf, not -5 against a running max of 0), and the last one's 8 padding
+    keys score -inf (its gap is -15, not -10 as padding scored 0 would make it)."""
+    unit = torch.zeros(4, dtype=torch.float64)
+    unit[0] = 1.0
+    q = unit.expand(16, 1, 4)
+    k = torch.cat([(-5.0 * unit).expand(16, 1, 4), (10.0 * unit).expand(16, 1, 4), (-5.0 * unit).expand(8, 1, 4)])
+    v = torch.randn(40, 1, 4, dtype=torch.float64)
+    gaps = skip_gaps(q, k, 1.0, tile=(16, 16))
+    assert gaps.tolist() == [[[math.inf, 15.0, -15.0]]]
+    lambdas = [1e-5, 0.01]  # log λ: -11.5 and -4.6, between the gaps the two mistakes would give
+    expected = [int(reference_attention(q, k, v, 1.0, skip_lambda=lam, tile=(16, 16))[1]) for lam in lambdas]
+    assert count_skips(gaps, lambdas).tolist() == expected == [1, 1]
