@@ -97,3 +97,14 @@ def test_tiles_of_negative_scores_at_both_ends_count_as_the_reference_does():
     lambdas = [1e-5, 0.01]  # log λ: -11.5 and -4.6, between the gaps the two mistakes would give
     expected = [int(reference_attention(q, k, v, 1.0, skip_lambda=lam, tile=(16, 16))[1]) for lam in lambdas]
     assert count_skips(gaps, lambdas).tolist() == expected == [1, 1]
+
+
+@pytest.mark.gpu
+def test_counts_on_the_gpu_stay_there_and_equal_the_cpus():
+    q, k = peaky(600, 2), peaky(600, 2)
+    lambdas = [0.01, 0.3]
+    on_cpu = count_skips(skip_gaps(q, k, 32 ** -0.5, tile=(64, 128), kv_step=256), lambdas)
+    gaps = skip_gaps(q.cuda(), k.cuda(), 32 ** -0.5, tile=(64, 128), kv_step=256)
+    counts = count_skips(gaps, lambdas)
+    assert gaps.device.type == counts.device.type == "cuda"
+    assert counts.tolist() == on_cpu.tolist()
