@@ -75,8 +75,10 @@ def test_batch_wide_statistics_quantize_every_sequence_with_the_whole_batchs_k_m
         expected, _, _ = reference_attention(q[r], k[r], v[r], 32 ** -0.5, quant=semantics, k_mean=k_mean,
                                              v_scale=v_scale)
         assert torch.equal(result.out[r], expected)
-    own, _, _ = reference_attention(q[rows[1]], k[rows[1]], v[rows[1]], 32 ** -0.5, quant=semantics)
-    assert not torch.allclose(result.out[rows[1]], own, atol=1e-4)
+    for left_out in ("k_mean", "v_scale"):  # each matters for the first sequence
+        stats = {"k_mean": k_mean, "v_scale": v_scale, left_out: None}
+        other, _, _ = reference_attention(q[rows[0]], k[rows[0]], v[rows[0]], 32 ** -0.5, quant=semantics, **stats)
+        assert not torch.equal(other, result.out[rows[0]]), left_out
 
 
 def test_skips_are_decided_per_kv_step_of_the_sage_kernel(monkeypatch):
@@ -196,6 +198,26 @@ def test_a_query_tile_that_sees_no_key_skips_every_key_tile():
     out, skipped, total = reference_attention(q, k, v, 0.25, causal=True, skip_lambda=0.01, tile=(16, 16))
     assert total == 4 and int(skipped) == 3
     assert torch.equal(out[:48], torch.zeros_like(out[:48])) and out[48:].abs().sum() > 0
+
+
+def test_queries_padded_to_the_keys_run_as_that_self_attention():
+    """FMHAv2's semantics for fewer queries than keys: the queries followed by zero rows up to the key length, run
+    with every setting of the call (step, tile, statistics), the real rows returned and every tile counted."""
+    torch.manual_seed(6)
+    q, k, v = positional(512)  # two 256-key steps: the second far from the 100 queries
+    q = q[:100]
+    semantics = fmha_v2_sage_semantics(64, fp8_accumulator_bits=None)
+    k_mean, v_scale = batch_statistics(k + 1.0, v * 3.0)  # statistics other than the sequence's own
+    run = dict(skip_lambda=0.1, tile=semantics.skip_tile, kv_step=semantics.kv_step, k_mean=k_mean, v_scale=v_scale)
+    out, skipped, total = reference_attention(q, k, v, 32 ** -0.5, quant=semantics, **run)
+    unpadded = SageSemantics(**{**semantics.__dict__, "q_padded_to_kv": False})
+    padded_q = torch.cat([q, q.new_zeros(412, *q.shape[1:])])
+    expected, expected_skipped, expected_total = reference_attention(padded_q, k, v, 32 ** -0.5, quant=unpadded, **run)
+    assert torch.equal(out, expected[:100]) and 0 < int(skipped) == int(expected_skipped) and total == expected_total
+    for left_out in run:  # each setting matters here
+        other = reference_attention(padded_q, k, v, 32 ** -0.5, quant=unpadded,
+                                    **{name: value for name, value in run.items() if name != left_out})
+        assert not torch.equal(other[0][:100], out), left_out
 
 
 @pytest.mark.parametrize("kv_step", [0, -128])
