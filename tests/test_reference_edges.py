@@ -45,6 +45,23 @@ def test_sage_on_the_cpu_samples_query_tiles_by_the_batchs_lengths_and_query_hea
     assert counts.tolist() == [int(skipped), total, 1, 1] and (0 < skipped) == (factor > 0)
 
 
+def test_sage_on_the_cpu_samples_by_the_query_tiles_of_the_calls_tile():
+    """64 heads of 512 queries in tiles of 16 rows: 32 query tiles per head, sampled every 4th (in the default
+    tiles of 128 rows there would be 4, sampled every 2nd)."""
+    s, heads, dim, tile, factor = 512, 64, 4, (16, 64), 400.0
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, s, heads, dim, generator=g) for _ in range(3))
+    q[:, :, ::2] *= 3
+    quant = AttnQuantSpec("int8")
+    out, counts = COUNTED(q, k, v, None, ops.initial_settings(factor), "TORCH_REFERENCE", dim ** -0.5, False,
+                          ops.encode_quant(quant), False, *tile, True)
+    semantics = sage_semantics(quant, "cpu", (s,), (s,), heads, tile)
+    assert semantics.skip_sample == (4, 0.3)
+    expected, skipped, total = reference_attention(q[0], k[0], v[0], dim ** -0.5, skip_lambda=factor / s,
+                                                   quant=semantics, tile=tile)
+    assert torch.equal(out[0], expected) and counts.tolist() == [int(skipped), total, 1, 1] and 0 < skipped
+
+
 def run_with_semantics(monkeypatch, semantics, q, k, v, lens, skip_factor, tile=(128, 128)):
     """The backend on a packed batch, as if its SAGE kernel had ``semantics`` (a GPU's)."""
     monkeypatch.setattr(reference, "sage_semantics", lambda *args: semantics)
