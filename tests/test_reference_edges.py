@@ -2,6 +2,8 @@
 stands for (the CPU's for this batch's lengths and heads; a GPU kernel's batch-wide statistics and KV step), a
 sample with no valid token, and the fp8 tensor-core emulation's shapes and precision."""
 
+import math
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from diffusers_trtllm.backends.trtllm import fmha_v2_sage_semantics, sage_semant
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.quant import SageSemantics, batch_statistics
 
+from helpers import rel_err
 from test_semantics_edges import positional_qkv
 
 COUNTED = torch.ops.diffusers_trtllm.attention_counted
@@ -290,6 +293,8 @@ def test_emulated_fp8_sums_on_a_grid_finer_than_float32_equal_exact_sums():
     (exact, skipped, total), (emulated, skipped_emulated, total_emulated) = runs
     assert 0 < skipped == skipped_emulated and total == total_emulated
     torch.testing.assert_close(emulated, exact, rtol=0, atol=2e-5)
+    dense = reference_attention(q.double(), k.double(), v.double(), 64 ** -0.5)[0]
+    assert rel_err(exact, dense) < 0.1  # P enters P·V at the semantics' own scale (256), and leaves it
 
 
 def test_emulated_fp8_sums_refuse_a_key_tile_of_a_partial_instruction_saying_so():
@@ -313,6 +318,19 @@ def test_low_precision_inputs_are_computed_in_float32_and_returned_in_their_dtyp
     out = reference_attention(*bf16, 32 ** -0.5, skip_lambda=0.01, tile=(64, 64))[0]
     expected = reference_attention(*(x.float() for x in bf16), 32 ** -0.5, skip_lambda=0.01, tile=(64, 64))[0]
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected.bfloat16())
+
+
+def test_a_float64_run_compares_with_lambda_in_float64():
+    """A key tile whose gap to the running max is ln(0.1) + 2e-9: exp(gap) is above λ = 0.1 in float64 (kept) but
+    below 0.1 rounded to float32 (it would be skipped)."""
+    q = torch.zeros(16, 1, 4, dtype=torch.float64)
+    q[..., 0] = 1.0
+    k = torch.zeros(32, 1, 4, dtype=torch.float64)
+    k[16:, :, 0] = math.log(0.1) + 2e-9
+    assert torch.tensor(0.1).item() > math.exp(math.log(0.1) + 2e-9) > 0.1  # float32(0.1) > exp(gap) > 0.1
+    _, skipped, total = reference_attention(q, k, torch.randn(32, 1, 4, dtype=torch.float64), 1.0, skip_lambda=0.1,
+                                            tile=(16, 16))
+    assert total == 2 and int(skipped) == 0
 
 
 def test_aligned_sum_keeps_float64_terms_in_float64():
