@@ -205,6 +205,27 @@ def test_auto_warns_once_per_dropped_feature_not_once_per_shape(fresh_choices):
     assert "TORCH_SDPA: TORCH_SDPA runs dense attention only" in messages[0]
 
 
+
+def test_a_kind_of_call_is_chosen_again_where_its_lengths_change_what_a_backend_checks(fresh_choices, monkeypatch):
+    """TRTLLM_ATTN's checks read an empty sequence and, for SAGE, more queries than keys: a call of the same kind
+    with such lengths is checked again, not handed the choice made for other lengths."""
+    asked = []
+    real = ops.select_backend
+    monkeypatch.setattr(ops, "select_backend", lambda *args: asked.append(args[2]) or real(*args))
+    q, k, v = (x.flatten(0, 1) for x in qkv(batch=1, sq=6, skv=6))
+
+    def choose(seqlens_q, seqlens_kv):
+        packed = ops.VarlenQKV(q[:sum(seqlens_q)], k[:sum(seqlens_kv)], v[:sum(seqlens_kv)], seqlens_q, seqlens_kv)
+        return ops.unplanned_backend("auto", packed, False, 0.0, "")
+
+    choose((3, 3), (3, 3))
+    choose((2, 3), (3, 3))  # same kind: no new choice
+    choose((4, 2), (3, 3))  # more queries than keys in one sequence
+    choose((0, 3), (3, 3))  # an empty sequence
+    choose((0, 3), (3, 3))
+    assert [(a.seqlens_q, a.seqlens_kv) for a in asked] == [((3, 3), (3, 3)), ((4, 2), (3, 3)), ((0, 3), (3, 3))]
+
+
 CACHE_SIZE = 256
 
 

@@ -117,14 +117,17 @@ def test_skips_are_decided_per_kv_step_of_the_sage_kernel(monkeypatch):
     assert skipped != skipped_per_tile_step  # the rule is exercised
 
 
-def test_a_sample_without_valid_tokens_gets_zeros():
-    """A batch whose first sample has no valid token: its rows are 0, the other sample is attended as alone."""
+@pytest.mark.parametrize("skip_factor", [0.0, 2.0])
+def test_a_sample_without_valid_tokens_gets_zeros(skip_factor):
+    """A batch whose first sample has no valid token: its rows are 0, the other sample is attended as alone,
+    with and without Skip-Softmax."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 2, 16, generator=g)
-    out = torch.ops.diffusers_trtllm.attention(q, q, q, torch.tensor([0, 6]), ops.initial_settings(0.0),
+    out = torch.ops.diffusers_trtllm.attention(q, q, q, torch.tensor([0, 6]), ops.initial_settings(skip_factor),
                                                "TORCH_REFERENCE", 0.25, False, "", False, 128, 128, True)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
-    torch.testing.assert_close(out[1], reference_attention(q[1], q[1], q[1], 0.25)[0], rtol=0, atol=0)
+    expected = reference_attention(q[1], q[1], q[1], 0.25, skip_lambda=skip_factor / 6)[0]
+    torch.testing.assert_close(out[1], expected, rtol=0, atol=0)
 
 
 def kept_key_tiles(key_tiles: int, kept=((0, 2),)):

@@ -240,7 +240,7 @@ def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     if semantics is not None and semantics.batch_stats:
         k_mean, v_scale = batch_statistics(qkv.k.float(), qkv.v.float())
     for (q, k, v, rows), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
-        lam = plan.skip_factor / kv_len if plan.skips else 0.0
+        lam = plan.skip_factor / kv_len if plan.skips and kv_len else 0.0  # a sample without keys gets zeros
         o, s, t = reference_attention(q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=semantics,
                                       tile=(semantics.skip_tile or plan.tile) if semantics else plan.tile,
                                       kv_step=semantics.kv_step if semantics else None,
