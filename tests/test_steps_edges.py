@@ -55,6 +55,19 @@ def test_a_step_ends_at_the_schedulers_own_index_when_it_has_one(clock):
     assert sorted(clock.stats.per_step()) == [0, 1]
 
 
+
+def test_a_run_whose_scheduler_was_set_before_it_steps_without_timesteps(clock):
+    """A run in which the scheduler steps without set_timesteps (its timesteps were set before the pipeline call):
+    each step is planned with no timestep, and the previous run's timesteps are not reused."""
+    clock.start_run()
+    clock.set_timesteps(torch.tensor([900, 600]), 1000)
+    clock.start_run()
+    assert clock.planner.timestep is None
+    counted_call(clock)
+    clock.end_step()
+    assert (clock.step, clock.planner.timestep) == (1, None)
+    assert list(clock.stats.per_step()) == [0]
+
 def test_a_bare_transformers_timestep_argument_makes_steps_and_runs(clock):
     steps = []
     for raw in (800, 800, torch.tensor([200.0, 600.0]), None, 600, 900):
