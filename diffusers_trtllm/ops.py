@@ -218,8 +218,7 @@ def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: 
     drops a feature warns once per reason (not once per shape). TRTLLM_ATTN's dense kernel on Hopper is
     ``auto``'s (:func:`~.backends.trtllm.dense_route`)."""
     # what the backends' checks read of the lengths: an empty sequence, more queries than keys (SAGE kernels)
-    lengths = (min(qkv.seqlens_q + qkv.seqlens_kv) == 0,
-               any(n_q > n_kv for n_q, n_kv in zip(qkv.seqlens_q, qkv.seqlens_kv)))
+    lengths = (qkv.has_empty_sequence, qkv.more_queries_than_keys)
     key = (requested, qkv.q.device, qkv.q.dtype, qkv.head_dim, qkv.q.shape[1], qkv.k.shape[1], causal,
            bool(skip_value), quant, lengths)
     if key not in _UNPLANNED_CHOICES:

@@ -19,8 +19,8 @@ from typing import Callable, Mapping
 import torch
 
 from .backends import select_backend
-from .backends.trtllm import dense_kernel_of, dense_route, sage_semantics
-from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV, get_backend
+from .backends.trtllm import dense_route, sage_semantics
+from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV, dense_kernel_of, get_backend
 from .calibration.curve import SkipCalibration
 from .config import (AUTO, TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttentionSpec, AttnQuantSpec,
                      SkipSoftmaxSpec)

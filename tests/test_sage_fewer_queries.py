@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from diffusers_trtllm.backends import run_backend, trtllm
-from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
+from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV, more_queries_than_keys
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.kernels import fmha_v2_sage
@@ -216,7 +216,7 @@ def test_hopper_kernel_by_lengths_and_dtype(monkeypatch, quant, lengths, kernel)
     semantics = trtllm.sage_semantics(quant, "cuda", *lengths)
     assert (semantics.q_block == 64) == (kernel == "fmha_v2")
     assert semantics.q_padded_to_kv == (kernel == "fmha_v2")
-    assert trtllm._sage_block_reason(quant, "sm_90", trtllm._more_queries_than_keys(*lengths)) is None
+    assert trtllm._sage_block_reason(quant, "sm_90", more_queries_than_keys(*lengths)) is None
 
 
 def test_fmha_v2_blocks_on_more_queries_than_keys_are_refused_with_the_reason():

@@ -28,6 +28,11 @@ def device_cu_seqlens(lengths: tuple[int, ...], device: torch.device) -> torch.T
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
+def more_queries_than_keys(seqlens_q, seqlens_kv) -> bool:
+    """Some sequence of a batch with these lengths has more queries than keys."""
+    return any(n_q > n_kv for n_q, n_kv in zip(seqlens_q, seqlens_kv))
+
+
 @dataclass
 class VarlenQKV:
     """A batch of attention problems packed along the token axis.
@@ -79,6 +84,16 @@ class VarlenQKV:
     @property
     def head_dim(self) -> int:
         return self.q.shape[-1]
+
+    @property
+    def has_empty_sequence(self) -> bool:
+        """Some sequence has no query or no key."""
+        return min(self.seqlens_q + self.seqlens_kv) == 0
+
+    @property
+    def more_queries_than_keys(self) -> bool:
+        """Some sequence has more queries than keys (:func:`more_queries_than_keys`)."""
+        return more_queries_than_keys(self.seqlens_q, self.seqlens_kv)
 
     @property
     def uniform(self) -> bool:
@@ -168,6 +183,9 @@ _REGISTRY: dict[str, FunctionBackend] = {}
 TRTLLM_ON_REFERENCE_ENV = "DIFFUSERS_TRTLLM_TRTLLM_ATTN_ON_REFERENCE"
 #: The route a call planned under the test seam runs: ``TRTLLM_ATTN``'s limits, ``TORCH_REFERENCE``'s arithmetic.
 TRTLLM_ON_REFERENCE_ROUTE = "TRTLLM_ATTN@TORCH_REFERENCE"
+#: A route is a backend's name, optionally followed by this and one of the backend's kernels chosen at install
+#: (``TRTLLM_ATTN+flash_attn4``: Hopper's dense kernel); the backend reads it from ``KernelPlan.backend``.
+ROUTE_KERNEL_SEPARATOR = "+"
 
 
 def register_backend(name: str, runner, check, priority: int = 0) -> FunctionBackend:
@@ -194,10 +212,16 @@ def route_of(name: str) -> str:
 
 
 def backend_for_route(route: str) -> FunctionBackend:
-    """The backend that runs a planned route (no environment lookup: the per-call path). A route is a backend's
-    name, optionally with ``+`` and one of its kernels chosen at install (``TRTLLM_ATTN+flash_attn4``; the backend
-    reads it from ``KernelPlan.backend``), or the test seam's route."""
-    return _seam_backend() if route == TRTLLM_ON_REFERENCE_ROUTE else _REGISTRY[route.partition("+")[0]]
+    """The backend that runs a planned route (no environment lookup: the per-call path): the backend it names
+    (:data:`ROUTE_KERNEL_SEPARATOR`), or the test seam's."""
+    if route == TRTLLM_ON_REFERENCE_ROUTE:
+        return _seam_backend()
+    return _REGISTRY[route.partition(ROUTE_KERNEL_SEPARATOR)[0]]
+
+
+def dense_kernel_of(route: str) -> str:
+    """The kernel a route names (``"TRTLLM_ATTN+flash_attn4"`` -> ``"flash_attn4"``), "" for none."""
+    return route.partition(ROUTE_KERNEL_SEPARATOR)[2]
 
 
 def _seam_backend() -> FunctionBackend:

@@ -68,7 +68,8 @@ from ..kernels.flashinfer_fmha import (CubinUnavailableError, fmha_v2_attention,
 from ..kernels.numerics import HEAD_DIM, P_SCALE, head_dim_mismatch
 from ..platform import flashinfer_version, gpu_arch, version_tuple
 from ..quant import SageSemantics
-from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
+from .base import (ROUTE_KERNEL_SEPARATOR, KernelPlan, KernelResult, VarlenQKV, dense_kernel_of,
+                   more_queries_than_keys, register_backend)
 from .sdpa import SDPA_BACKEND
 
 __all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "run", "warmup",
@@ -150,10 +151,6 @@ def sage_block_sizes(arch: str | None, dtype_qk: str,
     return {"q": TRITON_SAGE_BLOCKS, "k": TRITON_SAGE_BLOCKS}
 
 
-def _more_queries_than_keys(seqlens_q, seqlens_kv) -> bool:
-    return any(n_q > n_kv for n_q, n_kv in zip(seqlens_q, seqlens_kv))
-
-
 def _hopper_sage_kernel(quant: AttnQuantSpec, more_queries_than_keys: bool) -> str:
     """``"fmha_v2"`` or ``"triton"``: which Hopper SAGE kernel serves ``quant`` (FMHAv2 runs fewer queries than
     keys with zero queries after them, not more)."""
@@ -187,7 +184,7 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     Triton kernel's sample of query tiles). On a device without TRT-LLM kernels: this package's Triton kernel's
     semantics, with unset blocks as :data:`PORTABLE_BLOCKS`, deciding skips per ``tile``."""
     arch = gpu_arch(device)
-    more_queries = _more_queries_than_keys(seqlens_q, seqlens_kv)
+    more_queries = more_queries_than_keys(seqlens_q, seqlens_kv)
     unset = quant.q_block_size is None or quant.k_block_size is None
     if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, more_queries) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
@@ -224,7 +221,7 @@ def _common_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     if qkv.q.shape[1] % qkv.k.shape[1]:
         return (f"{qkv.q.shape[1]} query heads on {qkv.k.shape[1]} key/value heads; the kernels need the query "
                 "heads to be a whole multiple of the key/value heads")
-    if min(qkv.seqlens_q) == 0 or min(qkv.seqlens_kv) == 0:
+    if qkv.has_empty_sequence:
         return (f"a sequence is empty (query lengths {qkv.seqlens_q}, key lengths {qkv.seqlens_kv}); the kernels "
                 "run without an empty-row check")
     return None
@@ -264,7 +261,7 @@ def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     quant = plan.quant
     if quant is None:
         return flashinfer_unavailable_reason(FMHA_V2)
-    more_queries = _more_queries_than_keys(qkv.seqlens_q, qkv.seqlens_kv)
+    more_queries = qkv.more_queries_than_keys
     reason = _sage_block_reason(quant, "sm_90", more_queries)
     if reason is not None:
         return reason
@@ -403,15 +400,9 @@ def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), s
 #: What each Hopper dense kernel is, in the words of the install log.
 DENSE_KERNEL_TITLES = {FMHA_V2_DENSE: "FMHAv2 (FlashInfer)", FLASH_ATTN4: "FlashAttention-4",
                        CUDNN: "cuDNN through torch SDPA (FlashAttention-2 for grouped-query heads)"}
-ROUTE_KERNEL_SEPARATOR = "+"
 # torch SDPA's kernels for the cuDNN route, in order: where cuDNN refuses a call (it takes no grouped-query heads:
 # Cosmos 3), torch takes the next, as diffusers' default attention does, so such a site runs what the default runs.
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-
-
-def dense_kernel_of(route: str) -> str:
-    """The Hopper dense kernel a route names (``"TRTLLM_ATTN+flash_attn4"`` -> ``"flash_attn4"``), "" for none."""
-    return route.partition(ROUTE_KERNEL_SEPARATOR)[2]
 
 
 def cudnn_unavailable_reason() -> str | None:

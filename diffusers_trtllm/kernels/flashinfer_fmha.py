@@ -161,8 +161,12 @@ def pad_queries_to_keys(q: torch.Tensor, seqlens_q: tuple[int, ...],
 
 
 def drop_padded_queries(out: torch.Tensor, seqlens_q: tuple[int, ...], run_lens: tuple[int, ...]) -> torch.Tensor:
-    """The rows of ``out`` (laid out by ``run_lens``, from :func:`pad_queries_to_keys`) that belong to real
-    queries. The row offsets come from the host lengths, so nothing is read back from the device."""
+    """The rows of ``out`` that belong to real queries, where each sequence's rows run to ``run_lens`` (zero
+    queries after the real ones, as :func:`pad_queries_to_keys` and the FMHAv2 SAGE kernel lay them out): a view
+    for one sequence, else one gather. The row offsets come from the host lengths, so nothing is
+    read back from the device."""
+    if len(seqlens_q) == 1:
+        return out[:seqlens_q[0]]
     pieces, start = [], 0
     for nq, run in zip(seqlens_q, run_lens):
         pieces.append(out[start:start + nq])

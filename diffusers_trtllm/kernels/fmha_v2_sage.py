@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 
 from . import triton_sage
+from .flashinfer_fmha import drop_padded_queries
 from .numerics import HEAD_DIM
 
 logger = logging.getLogger("diffusers_trtllm")
@@ -385,11 +386,4 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block,
                                   cu_seqlens_q if padded else None, max(seqlens_q) if padded else None)
     out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step)
-    if not padded:
-        return out
-    if len(seqlens) == 1:
-        return out[:seqlens_q[0]]
-    starts = [0]
-    for n in seqlens[:-1]:
-        starts.append(starts[-1] + n)
-    return torch.cat([out[start:start + n] for start, n in zip(starts, seqlens_q)])
+    return drop_padded_queries(out, seqlens_q, tuple(seqlens)) if padded else out
