@@ -45,12 +45,14 @@ class CallSite:
 
 @dataclass(frozen=True)
 class RoleTraits:
-    """What a model's attention role is: causal or not, and whether Skip-Softmax / SAGE may apply to it."""
+    """What a model's attention role is: causal or not, whether Skip-Softmax / SAGE may apply to it, and whether
+    its queries outnumber its keys (video queries on a text sequence), which decides the Hopper SAGE kernel."""
 
     category: str
     causal: bool = False
     sparse_ok: bool = True
     quant_ok: bool = True
+    queries_outnumber_keys: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ class CallPlanner:
         for why, roles in dropped.items():
             self.warn_once(f"dropped-{why}", f"diffusers_trtllm: auto runs {sorted(set(roles))} attention dense: "
                                              f"{why}")
-        for note in self._sampled_skipping_notes(calls.values(), device):
+        for note in self._sampled_skipping_notes(calls.values(), self.traits, device):
             self.warn_once("sampled-skipping", note)
         self._allocate_counts(device)
         self.plan_step(self.timestep)
@@ -294,14 +296,16 @@ class CallPlanner:
         return calibration
 
     @staticmethod
-    def _sampled_skipping_notes(calls, device: torch.device) -> list[str]:
+    def _sampled_skipping_notes(calls, traits: Mapping[CallSite, RoleTraits], device: torch.device) -> list[str]:
         """Which roles skip only in the heads where skipping pays (the Triton SAGE kernel's rule, which the
         reference follows on a CPU): with little to skip, those heads run dense instead of skipping."""
         sampled = {}
         for call in calls:
             if call.skip is None or call.quant is None or call.backend not in (TRTLLM_ATTN, TORCH_REFERENCE):
                 continue
-            rule = sage_semantics(call.quant, device).skip_sample
+            # only whether queries outnumber keys picks the kernel, not the lengths themselves
+            lengths = ((2,), (1,)) if traits[call.site].queries_outnumber_keys else ((1,), (1,))
+            rule = sage_semantics(call.quant, device, *lengths).skip_sample
             if rule is not None:
                 sampled.setdefault(rule[1], []).append(call.site.role)
         if device.type == "cuda":

@@ -86,6 +86,18 @@ def test_the_triton_rule_note_names_the_roles_that_skip_with_sage_wherever_they_
         "than Skip-Softmax alone. handle.stats reports the tiles actually skipped"]
 
 
+def test_on_hopper_the_note_names_the_fp8_roles_the_triton_kernel_serves_and_not_those_fmha_v2_serves(monkeypatch):
+    """FMHAv2 SAGE takes no more queries than keys: Wan's self-attention runs there (no sampled rule), its
+    cross-attention (video queries on text keys) on the Triton kernel, whose rule the note states."""
+    monkeypatch.setattr(trtllm_backend, "gpu_arch", lambda device: "sm_90")
+    sage_skip = {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.1}, "quant": {"dtype_qk": "fp8_e4m3"}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_trtllm_attention(tiny_wan(), {"default": sage_skip}).restore()
+    notes = [str(w.message) for w in caught if "Triton SAGE kernel" in str(w.message)]
+    assert len(notes) == 1 and notes[0].startswith("diffusers_trtllm: ['cross_attn'] attention runs SAGE + ")
+
+
 def test_the_skip_value_reaches_the_op_at_full_precision():
     """λ = 0.1 is no float32 number: the per-step value the op reads keeps it in float64."""
     handle = enable_trtllm_attention(tiny_wan(), {"default": {"backend": "TORCH_REFERENCE",

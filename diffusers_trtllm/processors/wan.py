@@ -34,8 +34,8 @@ def _rotary(states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tens
 class WanTrtllmAttnProcessor(TrtllmAttnProcessor, WanAttnProcessor):
     """diffusers' ``WanAttnProcessor`` with each attention on this package's op, under its role's plan."""
 
-    ROLES = {"self_attn": RoleTraits("self"), "cross_attn": RoleTraits("cross"),
-             "image_cross_attn": RoleTraits("cross")}
+    ROLES = {"self_attn": RoleTraits("self"), "cross_attn": RoleTraits("cross", queries_outnumber_keys=True),
+             "image_cross_attn": RoleTraits("cross", queries_outnumber_keys=True)}
     ATTENTION_CLASSES = ("WanAttention",)
     TRANSFORMER_CLASSES = ("WanTransformer3DModel",)
 
