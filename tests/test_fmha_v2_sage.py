@@ -73,7 +73,7 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
     hunks = [hunk for patch in fmha_v2_sage.header_patch_files() for hunk in fmha_v2_sage.read_patch(patch)]
-    assert len(hunks) == 18
+    assert len(hunks) == 27
     for path, old, new in hunks:
         assert sources[path].count(new) == 1 and (old in new or old not in sources[path])
     assert "DMA_GROUP_TRANSPOSE_V = 0" in sources["fmha/warpspec/kernel_traits.h"]
@@ -93,17 +93,25 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     assert compute.count(f"if constexpr ({turn})") == 2 and f"if (IS_FIRST_COL || !{turn})" in compute
     assert compute.count("mutex.wait();") == 2 and compute.count("mutex.arrive();") == 1
     assert compute.count("mutex_accessor.arrive();") == 2  # WG1's bootstrap and the end of the last turn
+    # skip counts: every KV step of a warpgroup adds its tiles; one add per warpgroup at its end, none without
+    # the caller's pointer, and the build defines the flag that gives the params struct that pointer
+    assert ("  count_skipped_tiles(&shared->skipped_tiles[warpgroup_id], tidx, valid_run,                    \\\n"
+            "                      softmax.skipped_step_ | softmax.skipped_half_, actual_kv_seqlen - kv_step_idx * "
+            "STEP_KV);") in compute
+    assert "if (tidx == 0 && params.skip_softmax_skipped_blocks != nullptr) {" in compute
+    assert "softmax.total_blocks" not in compute and epilogue.count("this->skipped_step_ = ") == 2
     flags = fmha_v2_sage.nvcc_flags(fmha_v2_sage.pathlib.Path("/generated"))
+    assert "-DSKIP_SOFTMAX_STAT" in flags
     includes = [flag for flag in flags if flag.startswith("-I")]
     assert includes[0] == "-I/generated" and any(flag.endswith("fmha_v2") for flag in includes[1:])
 
 
 # sha256 over (path, NUL, text, NUL) of every patched header, sorted by path, with FlashInfer 0.7.2.post1's
-# headers: what the patches produced when they were Python strings. A deliberate change of a patch changes it.
-PATCHED_HEADERS_SHA256 = "ec642a1be9dbd7647709f6e6d219bef9a7d2acfdb42c441729478116fd2fcd0c"
+# headers. A deliberate change of a patch changes it (skip_counts.patch last did); an accidental one fails here.
+PATCHED_HEADERS_SHA256 = "04c351112f5e93fe6f457472a54f13c5b3355dbad6d9e96ac5b1d432dc1bea1c"
 
 
-def test_patch_files_produce_the_headers_the_kernels_were_measured_with():
+def test_patch_files_produce_the_recorded_headers():
     import flashinfer
 
     if flashinfer.__version__ != "0.7.2.post1":
@@ -178,7 +186,8 @@ def test_binding_arguments_match_the_python_call(monkeypatch):
     out = fmha_v2_sage.sage_attention_packed(packed, cu, (100, 200), heads_q, SCALE, 5.0, 256)
     got = ["tensor" if isinstance(a, torch.Tensor) else "int" if isinstance(a, int) else "float" for a in seen]
     assert got == kinds
-    assert seen[9:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
+    assert seen[10:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
+    assert seen[9].dtype == torch.int32 and seen[9].shape == (0,)  # no counts asked: the kernel gets none
     # V's per-channel scales go to the kernel's epilogue per query head (GQA: each KV head's repeated)
     v_scale = seen[6]
     assert v_scale.shape == (batch, heads_q, 128) and v_scale.is_contiguous()

@@ -257,8 +257,9 @@ def fake_kernel(monkeypatch):
         calls["quantize"] = (cu_q.tolist(), cu_kv.tolist(), max_q, max_kv, targets.q.shape, targets.q_padded_to_kv)
 
     class Module:
-        def sage_attention(self, qk, v_t, v_starts, out, q_scale, k_scale, v_scale, cu, *args):
-            calls["kernel"] = (out, cu.tolist(), args[3])
+        def sage_attention(self, qk, v_t, v_starts, out, q_scale, k_scale, v_scale, cu, tile_counter, skip_counts,
+                           heads_q, heads_kv, max_seqlen, *args):
+            calls["kernel"] = (out, cu.tolist(), max_seqlen)
             rows = torch.arange(out.shape[0])
             out.zero_()
             out[:, 0, 0], out[:, 0, 1] = rows % 256, rows // 256

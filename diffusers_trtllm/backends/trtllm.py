@@ -309,11 +309,16 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile)
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
+        counting = plan.count_skips and plan.skips
+        skipped = torch.zeros(1, dtype=torch.int32, device=qkv.q.device) if counting else None
         out = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), tuple(qkv.seqlens_kv),
                                                   plan.scale, cu_seqlens_q=qkv.cu_seqlens("q"),
                                                   seqlens_q=tuple(qkv.seqlens_q), k_block=semantics.k_block,
-                                                  kv_step=semantics.kv_step, skip_factor=plan.skip_factor)
-        return KernelResult(out)
+                                                  kv_step=semantics.kv_step, skip_factor=plan.skip_factor,
+                                                  skip_counts=skipped)
+        if not counting:
+            return KernelResult(out)
+        return KernelResult(out, skipped[0], fmha_v2_sage.skip_tiles(tuple(qkv.seqlens_kv), qkv.q.shape[1]))
     out, skipped, total = triton_sage.triton_sage_attention(
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),
         tuple(qkv.seqlens_kv), plan.scale, dtype_qk=semantics.dtype_qk, q_block=semantics.q_block,
@@ -327,7 +332,7 @@ def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
 
     ``qkv``: :class:`~.base.VarlenQKV` with q ``[total_q, Hq, 128]``, k/v ``[total_kv, Hkv, 128]`` bf16 on a
     CUDA device that :func:`unavailable_reason` accepted. Returns ``out [total_q, Hq, 128]`` bf16; skip counts
-    only from the Triton SAGE kernel when ``plan.count_skips`` (the other kernels do not report them). On Hopper
+    when ``plan.count_skips`` from the SAGE kernels (Triton, FMHAv2), not from the bf16 ones. On Hopper
     a dense call runs the kernel its route names (``plan.backend``, :func:`dense_route`).
     """
     arch = gpu_arch(qkv.q.device)

@@ -120,7 +120,7 @@ def padding_mask_only(code: str) -> str:
 
 # FMHAv2 header patches, applied in this order at build time (csrc/fmha_v2_patches/<name>.patch; each file says
 # what it changes and why).
-HEADER_PATCHES = ("v_layout", "half_step_skip", "v_scale_epilogue", "mutex_turn")
+HEADER_PATCHES = ("v_layout", "half_step_skip", "v_scale_epilogue", "mutex_turn", "skip_counts")
 PATCH_FOLDER = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_patches"
 _HUNK_HEADER = re.compile(r"@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
@@ -252,10 +252,11 @@ def jit_spec():
 
 
 def nvcc_flags(generated: pathlib.Path) -> list[str]:
-    """nvcc flags of the build: sm_90a (wgmma and setmaxnreg need the arch-specific target) and the include
-    folders (``generated`` holds ``sage_kernels.h`` and the patched headers, so it comes first)."""
-    return ["-gencode=arch=compute_90a,code=sm_90a", f"-I{generated}", *(f"-I{d}" for d in include_dirs()),
-            "-Wno-deprecated-gpu-targets"]
+    """nvcc flags of the build: sm_90a (wgmma and setmaxnreg need the arch-specific target), the skip count's
+    pointer in the params struct (``skip_counts.patch``) and the include folders (``generated`` holds
+    ``sage_kernels.h`` and the patched headers, so it comes first)."""
+    return ["-gencode=arch=compute_90a,code=sm_90a", "-DSKIP_SOFTMAX_STAT", f"-I{generated}",
+            *(f"-I{d}" for d in include_dirs()), "-Wno-deprecated-gpu-targets"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -337,26 +338,39 @@ def sage_quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     return PackedSage(qk, v_t, v_starts, q_scale, k_scale, v_scale, k_block)
 
 
+def skip_tiles(seqlens: tuple[int, ...], heads_q: int) -> int:
+    """The :data:`SKIP_TILE` tiles a skipping kernel visits for key lengths ``seqlens`` (host ints) and ``heads_q``
+    query heads: each sequence's query tiles at its key length (zero query rows included, as
+    :class:`~diffusers_trtllm.quant.SageSemantics` ``q_padded_to_kv`` counts them) times its key tiles."""
+    rows, keys = SKIP_TILE
+    return heads_q * sum(-(-n // rows) * -(-n // keys) for n in seqlens)
+
+
 def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens: tuple[int, ...], heads_q: int,
-                          scale: float, skip_factor: float = 0.0, kv_step: int = 256) -> torch.Tensor:
+                          scale: float, skip_factor: float = 0.0, kv_step: int = 256,
+                          skip_counts: torch.Tensor | None = None) -> torch.Tensor:
     """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output, ``cu_seqlens`` / ``seqlens`` its key
     lengths. Returns ``[T, Hq, 128]`` bf16 at the keys' layout (the rows of zero queries included) with V's
-    per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i)."""
+    per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i);
+    ``skip_counts`` (:func:`fmha_v2_sage_attention`) receives its skipped tiles."""
+    device = packed.qk.device
     heads_kv = packed.qk.shape[1] - heads_q
-    out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=packed.qk.device)
-    tile_counter = torch.empty(1, dtype=torch.int32, device=packed.qk.device)  # per call: streams never share it
+    out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    tile_counter = torch.empty(1, dtype=torch.int32, device=device)  # per call: streams never share it
+    if skip_counts is None:
+        skip_counts = torch.empty(0, dtype=torch.int32, device=device)  # empty: the kernel counts nothing
     # the kernel reads V's scales per query head
     v_scale = packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1) if heads_q != heads_kv else packed.v_scale
     load_module().sage_attention(packed.qk, packed.v_t, packed.v_starts, out, packed.q_scale, packed.k_scale,
-                                 v_scale, cu_seqlens, tile_counter, heads_q, heads_kv, max(seqlens), Q_BLOCK,
-                                 packed.k_block, kv_step, float(scale), float(skip_factor))
+                                 v_scale, cu_seqlens, tile_counter, skip_counts, heads_q, heads_kv, max(seqlens),
+                                 Q_BLOCK, packed.k_block, kv_step, float(scale), float(skip_factor))
     return out
 
 
 def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            seqlens: tuple[int, ...], scale: float, *, cu_seqlens_q: torch.Tensor | None = None,
                            seqlens_q: tuple[int, ...] | None = None, k_block: int = 64, kv_step: int = 256,
-                           skip_factor: float = 0.0) -> torch.Tensor:
+                           skip_factor: float = 0.0, skip_counts: torch.Tensor | None = None) -> torch.Tensor:
     """SAGE attention (FP8 e4m3 Q/K/V, per-block Q/K scales, per-channel V) with optional Skip-Softmax on
     Hopper through TRT-LLM FMHAv2's warp-specialized kernel; quantization included.
 
@@ -366,9 +380,11 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     ``cu_seqlens_q`` / ``seqlens_q`` (likewise), ``[Tq, Hq, 128]`` with at most as many queries per sequence as
     keys; the kernel then runs each sequence on its key length with zero queries after the real ones (module
     docstring). ``Hq % Hkv == 0``. ``scale``: softmax scale. ``k_block`` / ``kv_step``: a pair of
-    :func:`sage_kernels`; skip decisions are per :data:`SKIP_TILE`. Returns ``[Tq, Hq, 128]`` bf16 (one sequence:
-    a view of the kernel's output; several with fewer queries: one gather of their rows). GPUs: sm_90
-    (H100/H200); the first call on a machine compiles the kernels (see :func:`load_module`).
+    :func:`sage_kernels`; skip decisions are per :data:`SKIP_TILE`. ``skip_counts``: with Skip-Softmax, an int32
+    ``[1]`` tensor on the device (zeros) to which the kernel adds its skipped tiles, of the :func:`skip_tiles` it
+    visits; no host read. Returns ``[Tq,
+    Hq, 128]`` bf16 (one sequence: a view of the kernel's output; several with fewer queries: one gather of their
+    rows). GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels (see :func:`load_module`).
     """
     if not any(k.k_block == k_block and k.kv_step == kv_step for k in sage_kernels()):
         raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r} has no compiled FMHAv2 SAGE kernel; "
@@ -377,6 +393,10 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         raise ValueError("cu_seqlens_q and seqlens_q come together (fewer queries than keys) or not at all "
                          f"(self-attention); got cu_seqlens_q={'None' if cu_seqlens_q is None else 'a tensor'}, "
                          f"seqlens_q={seqlens_q!r}")
+    if skip_counts is not None and not (skip_counts.shape == (1,) and skip_counts.dtype == torch.int32
+                                        and skip_counts.device == q.device):
+        raise ValueError(f"skip_counts must be an int32 [1] tensor on {q.device}; got "
+                         f"{skip_counts.dtype} {tuple(skip_counts.shape)} on {skip_counts.device}")
     seqlens_q = tuple(seqlens) if seqlens_q is None else tuple(seqlens_q)
     if len(seqlens_q) != len(seqlens) or any(n_q > n_kv for n_q, n_kv in zip(seqlens_q, seqlens)):
         raise ValueError(f"seqlens_q={seqlens_q} on seqlens={tuple(seqlens)}: the FMHAv2 SAGE kernel takes, per "
@@ -385,5 +405,5 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     padded = seqlens_q != tuple(seqlens)
     packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block,
                                   cu_seqlens_q if padded else None, max(seqlens_q) if padded else None)
-    out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step)
+    out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step, skip_counts)
     return drop_padded_queries(out, seqlens_q, tuple(seqlens)) if padded else out

@@ -36,10 +36,12 @@ uint32_t float_bits(float value) {
 //               patched epilogue
 // cu_seqlens:   [batch + 1] int32 (queries and keys of a sequence are the same tokens)
 // tile_counter: [1] int32 scratch for the persistent scheduler, owned by the caller's stream
+// skip_counts:  [1] int32 to which the skipping kernels add their skipped tiles of 64 query rows x 128 keys
+//               (skip_counts.patch), or empty: no count
 void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_starts, ffi::TensorView out,
                     ffi::TensorView q_scale, ffi::TensorView k_scale, ffi::TensorView v_scale,
-                    ffi::TensorView cu_seqlens,
-                    ffi::TensorView tile_counter, int64_t heads_q, int64_t heads_kv, int64_t max_seqlen,
+                    ffi::TensorView cu_seqlens, ffi::TensorView tile_counter, ffi::TensorView skip_counts,
+                    int64_t heads_q, int64_t heads_kv, int64_t max_seqlen,
                     int64_t q_block, int64_t k_block, int64_t kv_step, double softmax_scale,
                     double skip_softmax_threshold_scale_factor) {
   TVM_FFI_ICHECK_EQ(qk.dtype(), dl_float8_e4m3fn) << "qk must be float8_e4m3fn";
@@ -49,6 +51,8 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   TVM_FFI_ICHECK_EQ(v_scale.dtype(), dl_float32) << "v_scale must be float32";
   TVM_FFI_ICHECK_EQ(cu_seqlens.dtype(), dl_int32) << "cu_seqlens must be int32";
   TVM_FFI_ICHECK_EQ(v_starts.dtype(), dl_int32) << "v_starts must be int32";
+  TVM_FFI_ICHECK(skip_counts.dtype() == dl_int32 && skip_counts.ndim() == 1 && skip_counts.shape()[0] <= 1)
+      << "skip_counts must be int32 [1] (skipped tiles) or empty";
   TVM_FFI_ICHECK_EQ(qk.ndim(), 3) << "qk must be [tokens, heads_q + heads_kv, head_dim]";
   TVM_FFI_ICHECK_EQ(qk.shape()[1], heads_q + heads_kv) << "qk's head count is not heads_q + heads_kv";
   TVM_FFI_ICHECK_EQ(heads_q % heads_kv, 0) << "heads_q must be a multiple of heads_kv";
@@ -87,6 +91,9 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   params.is_uniform_q = total_tokens == batch * max_seqlen;
   params.tile_id_counter_ptr = static_cast<uint32_t*>(tile_counter.data_ptr());
   params.skip_softmax_threshold_scale_factor = static_cast<float>(skip_softmax_threshold_scale_factor);
+  if (skip_counts.shape()[0] == 1) {  // else a null pointer (memset above): the kernel counts nothing
+    params.skip_softmax_skipped_blocks = static_cast<uint32_t*>(skip_counts.data_ptr());
+  }
   params.sage.q.block_size = static_cast<int>(q_block);
   params.sage.q.max_nblock = static_cast<int>((max_seqlen + q_block - 1) / q_block);
   params.sage.q.scales = static_cast<float*>(q_scale.data_ptr());
