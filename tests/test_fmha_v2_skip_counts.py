@@ -5,6 +5,11 @@ the key lengths (``fmha_v2_sage.skip_tiles``). Both are the reference's counts o
 CPU the visited tiles at every length boundary and the call's plumbing, on an H200 the skipped tiles themselves.
 """
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -13,6 +18,7 @@ from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.kernels import fmha_v2_sage
+from helpers import load_script
 
 SCALE = 128 ** -0.5
 FP8 = AttnQuantSpec("fp8_e4m3")
@@ -129,3 +135,26 @@ def test_gpu_the_kernels_skipped_tiles_are_the_references(k_block, kv_step, seql
     assert 0.1 < skipped / total < 0.9  # the data skips some tiles and keeps others
     # the reference emulates sm_90's fp8 sums, so every decision is the kernel's: the counts agree exactly
     assert int(counts.item()) == skipped
+
+
+# ---------------------------------------------------------------- CPU: the kernels' static report
+
+
+def test_the_static_report_compiles_each_kernel_as_the_build_does_with_ptxas_reporting(monkeypatch):
+    if shutil.which("ninja") is None:
+        pytest.skip("ninja is not installed")
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    commands = load_script("benchmarks/sage_kernel_static.py").compile_commands(fmha_v2_sage.jit_spec())
+    assert len(commands) == len(fmha_v2_sage.sage_kernels())
+    for kernel, argv in commands:
+        assert argv[-2:] == ["-Xptxas", "-v"] and "-gencode=arch=compute_90a,code=sm_90a" in argv
+        assert "-DSKIP_SOFTMAX_STAT" in argv and "-Xfatbin=-compress-all" not in argv
+        assert argv[argv.index("-c") + 1].endswith(f"{kernel}.cu") and argv[argv.index("-o") + 1].endswith(".o")
+
+
+def test_the_static_report_without_nvcc_says_so_in_one_line(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "benchmarks/sage_kernel_static.py"], capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("sage_kernel_static: nvcc, ninja not found on PATH")

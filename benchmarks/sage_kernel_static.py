@@ -1,0 +1,105 @@
+"""FMHAv2 SAGE kernels compiled for sm_90a on a machine without a GPU: ptxas's registers, spills and GMMA notes per
+kernel, and optionally each kernel's SASS.
+
+What a kernel change does to the code can be read before any GPU run: the module's sources (with this package's
+header patches) are compiled exactly as the JIT build compiles them, each with ``-Xptxas -v``. ptxas reports the
+registers at launch (the compute warpgroups raise theirs with ``setmaxnreg``), the bytes spilled to local memory,
+and notes C7519 ("warpgroup.arrive is injected ... to allow use of registers in GMMA": a GMMA waited on before
+its registers are reused) and C7511 ("insufficient register resources for the wgmma pipeline": GMMAs serialized).
+With ``--sass DIR`` each kernel's SASS goes to ``DIR/<kernel>.sass`` (needs ``cuobjdump`` and ``nvdisasm`` on
+``PATH``), where a spill (``LDL``/``STL``) can be placed against the main loop's ``QGMMA`` instructions.
+
+Needs nvcc (CUDA 12.8 or newer) and the cuBLAS headers, which FMHAv2's headers include: ``pip download
+nvidia-cublas``, unzip its ``include`` folder and put it on ``CPATH``. Timing still needs the GPU.
+
+    CPATH=.../nvidia/cu13/include python benchmarks/sage_kernel_static.py [--sass sass/] [--kernels skipSoftmax]
+"""
+
+import argparse
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from tqdm import tqdm
+
+NOTE = re.compile(r"\((C75\d\d)\)")
+SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+REGISTERS = re.compile(r"Used (\d+) registers")
+KERNEL_SOURCE = re.compile(r"(fmha_v2_flash_attention_\w+)\.cu\b")
+
+
+def compile_commands(spec) -> list[tuple[str, list[str]]]:
+    """(kernel, nvcc command) for every generated kernel of ``spec``, as its ninja build would run them, with
+    ptxas's report on and the object written to a scratch path."""
+    spec.write_ninja()
+    listed = subprocess.run(["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path), "-t", "commands"],
+                            check=True, capture_output=True, text=True).stdout.splitlines()
+    commands = []
+    for line in listed:
+        kernel = KERNEL_SOURCE.search(line)
+        if "nvcc" not in line or kernel is None:
+            continue
+        argv = shlex.split(line)
+        out = argv.index("-o")
+        argv[out + 1] = str(pathlib.Path(spec.build_dir) / f"static_{kernel.group(1)}.o")
+        dropped = {"-Xfatbin=-compress-all", "--compress-mode=size"}  # cuobjdump reads uncompressed code only
+        commands.append((kernel.group(1), [a for a in argv if a not in dropped] + ["-Xptxas", "-v"]))
+    return commands
+
+
+def report(kernel: str, argv: list[str], sass_dir: pathlib.Path | None) -> dict:
+    """Compile one kernel; its ptxas figures (and SASS into ``sass_dir``)."""
+    run = subprocess.run(argv, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"{kernel}: nvcc failed:\n{run.stderr[-3000:]}")
+    entry = run.stderr[run.stderr.index(f"Compiling entry function '{kernel}"):]
+    row = dict(kernel=kernel, registers=int(REGISTERS.search(entry).group(1)),
+               spill_stores=int(SPILLS.search(entry).group(1)), spill_loads=int(SPILLS.search(entry).group(2)),
+               notes=" ".join(sorted(set(NOTE.findall(run.stderr)))))
+    if sass_dir is not None:
+        obj = argv[argv.index("-o") + 1]
+        sass = subprocess.run(["cuobjdump", "-sass", obj], check=True, capture_output=True, text=True).stdout
+        (sass_dir / f"{kernel}.sass").write_text(sass)
+        row["qgmma"], row["spill_instructions"] = sass.count("QGMMA"), len(re.findall(r"\b(?:LDL|STL)\b", sass))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sass", type=pathlib.Path, help="write each kernel's SASS into this folder")
+    parser.add_argument("--kernels", default="", help="only kernels whose name contains this text")
+    args = parser.parse_args()
+    missing = [tool for tool in ("nvcc", "ninja") + (("cuobjdump", "nvdisasm") if args.sass else ())
+               if shutil.which(tool) is None]
+    if missing:
+        print(f"sage_kernel_static: {', '.join(missing)} not found on PATH; the build needs nvcc and ninja, "
+              "--sass also cuobjdump and nvdisasm", file=sys.stderr)
+        sys.exit(2)
+    os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")  # no GPU to read the arch from
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from diffusers_trtllm.kernels import fmha_v2_sage
+
+    commands = [(k, argv) for k, argv in compile_commands(fmha_v2_sage.jit_spec()) if args.kernels in k]
+    if not commands:
+        print(f"sage_kernel_static: --kernels {args.kernels!r} matches none of the module's kernels", file=sys.stderr)
+        sys.exit(2)
+    if args.sass:
+        args.sass.mkdir(parents=True, exist_ok=True)
+    jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+    with ThreadPoolExecutor(jobs) as pool:
+        rows = list(tqdm(pool.map(lambda c: report(*c, args.sass), commands), total=len(commands),
+                         desc="nvcc sm_90a", unit="kernel"))
+    columns = ["kernel", "registers", "spill_stores", "spill_loads", "notes"] + (
+        ["qgmma", "spill_instructions"] if args.sass else [])
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    for row in sorted(rows, key=lambda r: r["kernel"]):
+        print("| " + " | ".join(str(row[c]) for c in columns) + " |")
+
+
+if __name__ == "__main__":
+    main()
