@@ -29,6 +29,10 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
 8. ``shapes``: the dense kernels TRTLLM_ATTN routes to on Hopper (cuDNN, FMHAv2, FlashAttention-4) against torch
    SDPA as diffusers' default calls it at Wan's cross-attention, Cosmos 3's generation stream (fewer queries than
    keys, GQA) and a ragged HunyuanVideo 1.5 CFG pair, and which one ``auto`` picks.
+9. ``profile`` (only when named): the default FMHAv2 SAGE fp8 kernel alone, five calls at the shape, for a
+   profiler to wrap, skipping the first two: ``ncu --kernel-name regex:fmha_v2_flash --launch-skip 2 --launch-count 1
+   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats python3
+   benchmarks/hopper_sage.py --sections profile`` (where the time goes: tensor pipe, L2 traffic, stalls).
 
     python benchmarks/hopper_sage.py                  # writes $OUT/hopper_sage.json (or ./ without $OUT)
     python benchmarks/hopper_sage.py --quick          # small shapes only (a check of the script)
@@ -568,16 +572,30 @@ def table_markdown(table: list[dict], fp8_peak: float, bf16_peak: float, flops: 
     return "\n".join(lines)
 
 
+def profile_calls(tokens: int, heads: int, calls: int = 5) -> None:
+    """The default FMHAv2 SAGE fp8 kernel ``calls`` times on random data (a profiler skips the first two)."""
+    q, k, v = random_qkv(tokens, heads)
+    kernel = next(kernel for kernel in fmha_v2_sage.sage_kernels() if not kernel.skip_softmax
+                  and kernel.k_block == trtllm.FMHA_V2_DEFAULT_K_BLOCK and kernel.kv_step == trtllm.FMHA_V2_KV_STEP)
+    for _ in range(calls):
+        fmha_sage(q, k, v, (tokens,), kernel)
+    torch.cuda.synchronize()
+    log("profile", kernel=sage_name(kernel), calls=calls, shape=[tokens, heads, 128])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes only")
     parser.add_argument("--dry-run", action="store_true",
                         help="the table section on a CPU at a tiny shape, every kernel replaced by TORCH_REFERENCE")
-    valid = ("accumulator", "accuracy", "wan", "curve", "curve256", "curvepairs", "floor", "ratio", "table", "shapes")
+    valid = ("accumulator", "accuracy", "wan", "curve", "curve256", "curvepairs", "floor", "ratio", "table", "shapes",
+             "profile")
     parser.add_argument("--sections", default=None, help=f"comma-separated: {', '.join(valid)} (default: all; "
                                                           "with --dry-run: table, shapes)")
     args = parser.parse_args()
-    sections = set(args.sections.split(",")) if args.sections else set(("table", "shapes") if args.dry_run else valid)
+    everything = tuple(section for section in valid if section != "profile")  # profile runs alone, under a profiler
+    sections = set(args.sections.split(",")) if args.sections else set(("table", "shapes") if args.dry_run
+                                                                         else everything)
     unknown = sections - set(valid)
     if unknown:
         parser.error(f"--sections: unknown section(s) {sorted(unknown)}; valid: {', '.join(valid)}")
@@ -599,6 +617,8 @@ def main() -> None:
                            flashinfer=flashinfer.__version__, flash_attn_4=flash_attn4.installed_version(),
                            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), shape=[tokens, heads, 128])
     build(bf16=bool(sections & {"wan", "curve", "curve256", "curvepairs", "floor", "table", "shapes"}))
+    if "profile" in sections:
+        profile_calls(tokens, heads)
     if "accumulator" in sections:
         accumulator()
     if "accuracy" in sections:
