@@ -134,7 +134,7 @@ def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, 
         "- time: the whole generation (text encoder, denoising, VAE decode), after the warm-up",
         "- rel. diff to dense: ||video - dense video|| / ||dense video|| over all pixels (0: identical video)",
         "- sparsity: skipped / all KV tiles (128x128; 64x128 for SAGE on Hopper) where Skip-Softmax ran and the "
-        "backend counts them (TORCH_REFERENCE and the Triton SAGE kernel do, FlashInfer's kernels do not: n/a); "
+        "backend counts them (TORCH_REFERENCE and the SAGE kernels do, FlashInfer's bf16 ones do not: n/a); "
         "'-': the configuration does not skip",
         f"- sparsity per step: the same per denoising step; steps with t = timestep/1000 > D = {gate:g} run "
         "dense (0)",
