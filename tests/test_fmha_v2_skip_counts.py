@@ -143,6 +143,8 @@ def test_gpu_the_kernels_skipped_tiles_are_the_references(k_block, kv_step, seql
 def test_the_static_report_compiles_each_kernel_as_the_build_does_with_ptxas_reporting(monkeypatch):
     if shutil.which("ninja") is None:
         pytest.skip("ninja is not installed")
+    if shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda"):
+        pytest.skip("no CUDA toolkit: FlashInfer writes its build file from nvcc's version")
     monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     commands = load_script("benchmarks/sage_kernel_static.py").compile_commands(fmha_v2_sage.jit_spec())
     assert len(commands) == len(fmha_v2_sage.sage_kernels())
