@@ -382,9 +382,9 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     docstring). ``Hq % Hkv == 0``. ``scale``: softmax scale. ``k_block`` / ``kv_step``: a pair of
     :func:`sage_kernels`; skip decisions are per :data:`SKIP_TILE`. ``skip_counts``: with Skip-Softmax, an int32
     ``[1]`` tensor on the device (zeros) to which the kernel adds its skipped tiles, of the :func:`skip_tiles` it
-    visits; no host read. Returns ``[Tq,
-    Hq, 128]`` bf16 (one sequence: a view of the kernel's output; several with fewer queries: one gather of their
-    rows). GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels (see :func:`load_module`).
+    visits; no host read. Returns ``[Tq, Hq, 128]`` bf16 (one sequence: a view of the kernel's output; several
+    with fewer queries: one gather of their rows). GPUs: sm_90 (H100/H200); the first call on a machine compiles
+    the kernels (see :func:`load_module`).
     """
     if not any(k.k_block == k_block and k.kv_step == kv_step for k in sage_kernels()):
         raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r} has no compiled FMHAv2 SAGE kernel; "
