@@ -21,7 +21,8 @@ bf16 and this package's Triton SAGE kernel, in one process on one H200.
    rounds), the per-round ratio's median/range.
 7. ``table``: issue 35's kernel table in one run, through TRTLLM_ATTN's own entry point where the package runs it:
    cuDNN SDPA; TRTLLM_ATTN dense as routed at install (FlashAttention-4 where installed, else cuDNN) and with
-   FMHAv2 pinned; FlashAttention-4 bf16 called directly; TRTLLM_ATTN SAGE fp8 and int8 on random data; on
+   FMHAv2 pinned; FlashAttention-4 bf16 called directly; TRTLLM_ATTN SAGE fp8 and int8 and SageAttention 2
+   (``sageattn`` as diffusers' ``sage`` backend calls it, where ``sageattention`` >= 2 imports) on random data; on
    published-curve data TRTLLM_ATTN SAGE fp8 + skip and bf16 + skip at each s. Each row: ms, × cuDNN, TFLOP/s,
    error vs float32; a roofline line from measured matmul peaks (fp8 e4m3 ``torch._scaled_mm`` with fast
    accumulation and bf16 ``torch.mm``, 8192³) and each row's fraction of its peak; a markdown table at the end;
@@ -169,6 +170,25 @@ def flash_attention_4():
     def run(q, k, v):
         result = flash_attn_func(q[None], k[None], v[None], softmax_scale=SCALE)
         return (result[0] if isinstance(result, tuple) else result)[0]
+    return run
+
+
+SAGE_ATTENTION_2_MISSING = ("sageattention >= 2 (SageAttention 2's CUDA kernels, built from its source: PyPI has "
+                            "only 1.0.6) is not importable")
+
+
+def sage_attention_2():
+    """SageAttention 2 as diffusers' ``sage`` backend calls it (``sageattn``: on sm_90 its int8 Q·Kᵀ, fp8 P·V
+    kernel), or None when ``sageattention`` >= 2 is not importable."""
+    try:
+        import sageattention
+    except ImportError:
+        return None
+    if not hasattr(sageattention, "sageattn_qk_int8_pv_fp8_cuda"):  # 1.0.6, the Triton kernel
+        return None
+
+    def run(q, k, v):
+        return sageattention.sageattn(q[None], k[None], v[None], tensor_layout="NHD", sm_scale=SCALE)[0]
     return run
 
 
@@ -444,6 +464,8 @@ def kernel_table(tokens: int, heads: int) -> None:
     route = "TORCH_REFERENCE" if dry_run else trtllm.dense_route(device)
     fa4 = None if dry_run else flash_attention_4()
     fa4_name = f"FlashAttention-4 bf16 (flash-attn-4 {flash_attn4.installed_version() or 'not installed'})"
+    sage2_name = "SageAttention 2 (sageattn: int8 Q·Kᵀ, fp8 P·V)"
+    missing = {fa4_name: flash_attn4.unavailable_reason() or "dry run", sage2_name: SAGE_ATTENTION_2_MISSING}
     random_rows = [
         ("cuDNN SDPA", "bf16", lambda q, k, v: sdpa(q, k, v, SDPBackend.MATH if dry_run else
                                                     SDPBackend.CUDNN_ATTENTION)),
@@ -452,12 +474,13 @@ def kernel_table(tokens: int, heads: int) -> None:
         (fa4_name, "bf16", fa4),
         ("TRTLLM_ATTN SAGE fp8 (FMHAv2, default blocks)", "fp8", routed("TRTLLM_ATTN", tokens,
                                                                        AttnQuantSpec("fp8_e4m3"))),
-        ("TRTLLM_ATTN SAGE int8 (Triton)", "int8", routed("TRTLLM_ATTN", tokens, AttnQuantSpec("int8")))]
+        ("TRTLLM_ATTN SAGE int8 (Triton)", "int8", routed("TRTLLM_ATTN", tokens, AttnQuantSpec("int8"))),
+        (sage2_name, "int8", None if dry_run else sage_attention_2())]
     table = []
 
     def row(name, kind, fn, data, reference, cudnn_ms=None, **extra):
         if fn is None:
-            log("table", kernel=name, error="not available: " + (flash_attn4.unavailable_reason() or "dry run"))
+            log("table", kernel=name, error="not available: " + missing.get(name, "dry run"))
             return None
         try:
             ms = bench_ms(lambda: fn(*data))
