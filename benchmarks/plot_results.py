@@ -89,12 +89,18 @@ def skip_curve(text: str) -> tuple[list[float], dict[str, list[float]]]:
     return [number(row["s"], "s") for row in rows], curves
 
 
-def plot_video(models, path: pathlib.Path) -> None:
+def pyplot():
+    """matplotlib's pyplot drawing to files (no screen needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_video(models, path: pathlib.Path) -> None:
+    plt = pyplot()
     fig, axes = plt.subplots(len(models), 1, figsize=(10, 2.2 + 0.55 * sum(len(r) for r in models.values())),
                              gridspec_kw={"height_ratios": [len(r) for r in models.values()]})
     colors = {"text encoding": "#9ecae1", "denoising": "#3182bd", "VAE decode": "#fd8d3c"}
@@ -120,11 +126,7 @@ def plot_video(models, path: pathlib.Path) -> None:
 
 
 def plot_curve(s_values, kernels, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for kernel, ratios in kernels.items():
         ax.plot(s_values, ratios, marker="o", label=kernel)

@@ -20,9 +20,9 @@ package's entry there. It wraps two vLLM-Omni methods, each only where ``TRTLLM_
   checkpoint's calibration itself when it installs, and refuses ``target_sparsity`` without one there.
 
 This package's extensions of the config (a spec's ``accuracy`` and ``dense_kernel``, the SAGE schedule
-``quant.disabled_until_timestep`` / ``disabled_below_timestep``) do not reach it here: vLLM-Omni's own parser of ``diffusion_attention_config``
-refuses them as unknown keys before any plugin runs; they work with ``enable_trtllm_attention`` and this
-package's ``config_from_args``.
+``quant.disabled_until_timestep`` / ``disabled_below_timestep``) do not reach it here: vLLM-Omni's own parser of
+``diffusion_attention_config`` refuses them as unknown keys before any plugin runs; they work with
+``enable_trtllm_attention`` and this package's ``config_from_args``.
 
 Both wrapped methods were read in vllm-omni 0.30.0; on another version selecting ``TRTLLM_ATTN`` is refused.
 The per-pipeline hooks of ``PIPELINE_UTILS_REGISTRY`` cannot do it instead: they are keyed by pipeline class, and
