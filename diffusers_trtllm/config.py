@@ -357,6 +357,10 @@ class AttentionConfig:
                 raise AttentionConfigError(f"per_role[{key!r}]: {e}") from None
         object.__setattr__(self, "per_role", MappingProxyType(roles))
 
+    def __reduce__(self):
+        # per_role is a read-only view (MappingProxyType), which neither pickles nor deep-copies
+        return type(self), (self.default, dict(self.per_role))
+
     @classmethod
     def from_dict(cls, data: Mapping) -> "AttentionConfig":
         """Parse the ``--diffusion-attention-config`` shape: ``{"default": {...}, "per_role": {...}}``."""

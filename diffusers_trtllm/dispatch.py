@@ -23,7 +23,6 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from .backends.sdpa import sdpa_attention
 from .config import AUTO, TORCH_SDPA, AttentionConfig
 from .errors import AttentionConfigError
-from .ops import SKIP, packed_problem
 from .plan import AttentionCall, CallSite
 
 BACKEND_NAME = "trtllm"
@@ -85,31 +84,12 @@ def run_attention(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, v
 
 def _run(call: AttentionCall, query, key, value, scale, valid_lengths) -> torch.Tensor:
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    settings = call.settings
-    if call.probing:
-        call.probe(call.site, packed_problem(query, key, value, valid_lengths)[0], scale=scale, causal=call.causal,
-                   tile=call.tile)
-        settings = settings.clone()
-        settings[SKIP] = 0.0
-    count = call.counting and not torch.compiler.is_exporting()
-    probed = count and call.accuracy is not None
-    if call.backend == TORCH_SDPA and call.planned and valid_lengths is None and not probed:
-        # TORCH_SDPA's own function outside the op: differentiable and traced by inductor.
-        out = sdpa_attention(query, key, value, scale, call.causal)
-        if count:
-            call.counts[2] += 1  # a call that counts no tiles (see ops.attention_counted)
-        return out
-    args = (query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, settings, call.route, scale,
-            call.causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
-    if probed:
-        out, counts, errors = torch.ops.diffusers_trtllm.attention_probed(*args)
-        call.error_sums += errors
-    elif count:
-        out, counts = torch.ops.diffusers_trtllm.attention_counted(*args)
-    else:
-        return torch.ops.diffusers_trtllm.attention(*args)
-    call.counts += counts
-    return out
+    if call.backend == TORCH_SDPA and call.planned and valid_lengths is None and not call.counting:
+        # TORCH_SDPA's own function outside the op (nothing to count): differentiable and traced by inductor.
+        return sdpa_attention(query, key, value, scale, call.causal)
+    return torch.ops.diffusers_trtllm.attention(
+        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, call.settings, call.route, scale,
+        call.causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
 
 
 def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

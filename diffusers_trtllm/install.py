@@ -3,7 +3,6 @@ undo it."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Mapping
 
@@ -16,48 +15,47 @@ from .errors import AttentionConfigError, warn_user
 from .plan import CallPlanner, CallSite
 from .processors import PROCESSORS, TrtllmAttnProcessor, processor_class_for
 from .stats import AttentionStats
-from .steps import DenoisingClock, num_train_timesteps
+from .steps import RunTracker, attach, installed_tracker, num_train_timesteps
 
 logger = logging.getLogger("diffusers_trtllm")
 
-_HANDLE_ATTRIBUTE = "_diffusers_trtllm_handle"
-
 
 class TrtllmAttentionHandle:
-    """What :func:`enable_trtllm_attention` returns: the plan, the denoising clock, the statistics and the way back.
+    """What :func:`enable_trtllm_attention` returns: the plan, the runs, the statistics and the way back.
 
-    ``stats``: what ran in the current (or last) run (a pipeline call). Use as a context manager or call
-    :meth:`restore` (idempotent) to put back the processors it replaced and undo everything it attached.
+    ``stats``: what ran in the calling thread's current (or last) run (a pipeline call), else in the last run
+    that ended in any thread. Use as a context manager or call :meth:`restore` (idempotent) to put back the
+    processors it replaced and remove its hooks.
     """
 
-    def __init__(self, planner: CallPlanner, clock: DenoisingClock):
+    def __init__(self, planner: CallPlanner, tracker: RunTracker):
         self.planner = planner
-        self.clock = clock
+        self.tracker = tracker
         self._installed: dict[str, tuple[torch.nn.Module, dict, dict]] = {}
-        self._hooks: list = []
+        self._detach: list = []
 
     @property
-    def stats(self):
-        self.clock.flush()
-        return self.clock.stats
+    def stats(self) -> AttentionStats:
+        run = self.tracker.stats_run()
+        if run is None:
+            return AttentionStats()
+        if run.is_open:
+            run.data["stats"].close_step(run.step)  # keep the counters of the step in progress
+        return run.data["stats"]
 
     @property
     def components(self) -> tuple[str, ...]:
         return tuple(self._installed)
 
     def restore(self) -> None:
-        """Put back the processors this handle replaced (only where its own processors still are), stop following
-        the pipeline and remove its hooks."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        self.clock.detach()
+        """Put back the processors this handle replaced (only where its own processors still are) and remove its
+        hooks: every transformer's attributes are as they were before install."""
+        while self._detach:
+            self._detach.pop()()
         for transformer, originals, ours in self._installed.values():
             current = transformer.attn_processors
             back = {name: originals[name] if current[name] is ours.get(name) else current[name] for name in current}
             transformer.set_attn_processor(back)
-            if getattr(transformer, _HANDLE_ATTRIBUTE, None) is self:
-                delattr(transformer, _HANDLE_ATTRIBUTE)
         self._installed.clear()
 
     def __enter__(self) -> "TrtllmAttentionHandle":
@@ -115,24 +113,19 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
     planner.choose_backends(plan_device(transformers.values()), dtype)
 
     bare = isinstance(pipe, torch.nn.Module)
-    clock = DenoisingClock(planner, AttentionStats(planner.calls.values()),
-                           num_train_timesteps(None if bare else getattr(pipe, "scheduler", None)),
-                           gated=_gated(planner))
-    handle = TrtllmAttentionHandle(planner, clock)
+    if not bare and not (callable(pipe) and hasattr(pipe, "__dict__")):
+        raise AttentionConfigError(
+            f"enable_trtllm_attention takes a diffusers pipeline (called as pipe(...)) or a transformer; got a "
+            f"{type(pipe).__name__}: pass pipe.transformer to install on the transformer alone")
+    tracker = RunTracker(planner, num_train_timesteps(None if bare else getattr(pipe, "scheduler", None)),
+                         gated=_gated(planner))
+    if bare and tracker.gated:
+        warn_user("diffusers_trtllm: a timestep gate without a pipeline reads the transformer's timestep argument "
+                  "on the host once per call; compile per block in this form")
+    handle = TrtllmAttentionHandle(planner, tracker)
     try:
         for component, transformer in transformers.items():
             _install(handle, component, transformer, classes[component])
-        if not bare:
-            clock.follow(pipe)
-        else:
-            clock.start_run()  # a bare transformer's calls form one run until a rising timestep starts another
-        if clock.gated:
-            if bare:
-                warn_user("diffusers_trtllm: a timestep gate without a pipeline reads the transformer's timestep "
-                          "argument on the host once per call; compile per block in this form")
-            for component, transformer in transformers.items():
-                clock.timestep_hook(transformer, functools.partial(read_timestep_arguments,
-                                                                   names=classes[component].TIMESTEP_ARGUMENTS))
     except Exception:
         handle.restore()
         raise
@@ -150,11 +143,10 @@ def _processor_class(component: str, transformer) -> type[TrtllmAttnProcessor]:
 
 
 def _refuse_reinstall(component: str, transformer) -> None:
-    owner = getattr(transformer, _HANDLE_ATTRIBUTE, None)
+    owned = installed_tracker(transformer) is not None
     ours = [n for n, p in transformer.attn_processors.items() if isinstance(p, TrtllmAttnProcessor)]
-    if owner is not None or ours:
-        who = f"the handle {owner!r} returned by enable_trtllm_attention" if owner is not None else \
-            "transformer.set_attn_processor"
+    if owned or ours:
+        who = "the handle returned by enable_trtllm_attention" if owned else "transformer.set_attn_processor"
         raise AttentionConfigError(
             f"{component} already runs diffusers_trtllm processors (installed by {who}); call restore() on that "
             "handle (or put back the processors saved before: transformer.set_attn_processor(saved)) before "
@@ -174,7 +166,6 @@ def _install(handle: TrtllmAttentionHandle, component: str, transformer, cls: ty
     modules = dict(transformer.named_modules())
     parallel = getattr(transformer, "_parallel_config", None)
     parallel = parallel if getattr(parallel, "context_parallel_config", None) is not None else None
-    shared = cls.shared_state()
     processors, ours = {}, {}
     for key, original in originals.items():
         layer = key.removesuffix(".processor")
@@ -184,24 +175,18 @@ def _install(handle: TrtllmAttentionHandle, component: str, transformer, cls: ty
             continue
         calls = {role: handle.planner.calls[CallSite(component, layer, role, cls.ROLES[role].category)]
                  for role in cls.roles_of(module)}
-        processor = cls(calls=calls, **shared)
+        processor = cls(calls=calls)
         if parallel is not None:
             processor._parallel_config = parallel
         processors[key] = ours[key] = processor
     transformer.set_attn_processor(processors)
     handle._installed[component] = (transformer, originals, ours)
-    setattr(transformer, _HANDLE_ATTRIBUTE, handle)
+    handle._detach.append(attach(handle.tracker, transformer, cls.TIMESTEP_ARGUMENTS))
     if ours:
-        handle._hooks += next(iter(ours.values())).install_hooks(transformer)
+        handle._detach += [hook.remove for hook in next(iter(ours.values())).install_hooks(transformer)]
 
 
 def _gated(planner: CallPlanner) -> bool:
     """Whether some site's settings follow the timestep (Skip-Softmax's gate, the SAGE step schedule)."""
     return any((c.skip is not None and c.skip.disabled_until_timestep > 0) or
                (c.quant is not None and c.quant.scheduled) for c in planner.calls.values())
-
-
-def read_timestep_arguments(bound: dict, names: tuple[str, ...]) -> torch.Tensor | None:
-    """The raw timesteps a transformer call got in its arguments ``names`` (all noisy modalities), or None."""
-    present = [t.flatten() for name in names if (t := bound.get(name)) is not None and torch.is_tensor(t) and t.numel()]
-    return torch.cat(present) if present else None

@@ -1,28 +1,26 @@
 """Attention as one opaque ``torch.library`` op, so ``torch.compile`` traces a transformer without looking inside.
 
 ``torch.ops.diffusers_trtllm.attention`` runs any registered backend (FlashInfer's TRT-LLM kernels, the Triton
-SAGE kernel, the PyTorch reference); ``attention_counted`` is the same op returning the call's tile counts too,
-for call sites whose statistics are on (with statistics off nothing but the output is allocated), and
-``attention_probed`` also returns the accuracy probe's error sums, for call sites with an ``accuracy`` spec.
-Dynamo sees one op with a fake implementation (output shaped like q); it never traces the Triton kernel,
-FlashInfer's Python, the reference's tile loop or the probe.
+SAGE kernel, the PyTorch reference). Dynamo sees one op with a fake implementation (output shaped like q); it
+never traces the Triton kernel, FlashInfer's Python, the reference's tile loop, the probe or the run lookup.
 
-What changes during a run reaches the op as tensors, so it never forces a recompile:
+What changes during a run never reaches the traced graph as Python state, so it never forces a recompile: the op
+finds, in its body, the open run of its handle in the calling thread or task (the run key in its ``settings``;
+see :mod:`~diffusers_trtllm.run_state`) and reads its site's row of that run's settings (one host read of a CPU
+tensor, never a device sync):
 
-- ``settings``: a float64 CPU tensor ``[3]``, updated in place once per denoising step by the planner (read in
-  the op with one host read, never a device sync):
+- ``[SKIP]``: 0 runs without skipping; otherwise FlashInfer's threshold scale factor, or λ when ``per_kv_len``
+  (the factor is then λ · the longest key length of the call);
+- ``[SAGE]``: 1 runs the ``quant`` argument's SAGE, 0 runs dense (the SAGE step schedule, the guard);
+- ``[PROBE]``: query rows the accuracy probe checks in this step (0: not probed).
 
-  - ``settings[SKIP]``: 0 runs without skipping; otherwise FlashInfer's threshold scale factor, or λ when
-    ``per_kv_len`` (the factor is then λ · the longest key length of the call);
-  - ``settings[SAGE]``: 1 runs the ``quant`` argument's SAGE, 0 runs dense (the SAGE step schedule, the guard);
-  - ``settings[PROBE]``: query rows the accuracy probe checks in this step (0: not probed).
-- ``attention_counted`` returns this call's counts (skipped KV tiles, tiles, calls, calls whose backend counted
-  tiles) as a device tensor that the caller adds to its site's counters; ``attention_probed`` adds the probe's
-  ``[Σ error², Σ exact²]`` (float64, zeros at steps not probed); statistics keep those once per step, outside
-  the traced region. The ops mutate nothing, so autograd (a dense, straight-through backward) and
-  ``torch.export`` take it.
-- ``valid_lengths``: an int CPU tensor of each sample's valid prefix (HunyuanVideo's padded text), read on
-  the host once per transformer call by the processor's pre-hook, or None.
+Outside any run (the unbound processors, the ``"trtllm"`` dispatcher backend, a call no run reaches) it reads the
+``settings`` argument instead. When the run counts, the op adds the call's tile counts (and the probe's
+``[Σ error², Σ exact²]``) to the run's counters on the device. Autograd (a dense, straight-through backward) and
+``torch.export`` take it.
+
+``valid_lengths``: an int CPU tensor of each sample's valid prefix (HunyuanVideo's padded text), read on the host
+once per transformer call by the processor's pre-hook, or None.
 """
 
 from __future__ import annotations
@@ -39,22 +37,12 @@ from .backends.sdpa import sdpa_attention
 from .backends.trtllm import dense_route
 from .config import TRTLLM_ATTN, AttnQuantSpec
 from .errors import warn_user
-
-
-#: indices into the op's ``settings`` tensor
-SKIP, SAGE, PROBE = 0, 1, 2
-
-
-def initial_settings(skip_value: float = 0.0) -> torch.Tensor:
-    """A call's ``settings``: skip value, SAGE on (as its ``quant`` argument says), not probed."""
-    settings = torch.zeros(3, dtype=torch.float64)
-    settings[SKIP], settings[SAGE] = skip_value, 1.0
-    return settings
+from .run_state import COUNTS, OWNER, SETTINGS, SITE, open_run
 
 
 def encode_quant(quant: AttnQuantSpec | None) -> str:
     """The op's ``quant`` argument: the kernel's fields as a JSON object, or "" for no SAGE (a string is a constant
-    in a traced graph; the step schedule reaches the op through ``settings[SAGE]``)."""
+    in a traced graph; the step schedule reaches the op through the run's ``[SAGE]`` setting)."""
     if quant is None:
         return ""
     kernel = {name: getattr(quant, name) for name in ("dtype_qk", "q_block_size", "k_block_size")}
@@ -66,28 +54,8 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
     return AttnQuantSpec.from_dict(json.loads(text)) if text else None
 
 
-def _attention(q, k, v, valid_lengths, settings, count, backend, scale, causal, quant, per_kv_len, tile_q,
-               tile_kv, planned, probe=False):
-    """(output, the backend's result, the probe's error sums or None)."""
-    qkv, rows = packed_problem(q, k, v, valid_lengths)
-    value, sage, probe_rows = settings.tolist()
-    if not planned:
-        backend = unplanned_backend(backend, qkv, causal, value, quant)
-    factor = value * qkv.max_seqlen_kv if per_kv_len else value
-    plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor,
-                      quant=decode_quant(quant) if sage else None, tile=(tile_q, tile_kv), count_skips=count)
-    result = run_backend(backend, qkv, plan)
-    errors = None
-    if probe:
-        errors = (probe_error_sums(qkv, result.out, int(probe_rows), scale, causal) if probe_rows else
-                  torch.zeros(2, dtype=torch.float64, device=q.device))
-    out = result.out.view(q.shape) if rows is None else \
-        q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape)
-    return out, result, errors
-
-
 def _counts(result, device) -> torch.Tensor:
-    counts = torch.zeros(4, dtype=torch.int64, device=device)
+    counts = torch.zeros(COUNTS, dtype=torch.int64, device=device)
     counts[2] = 1  # fills on the device: no copy from the host
     if result.skipped_tiles is not None:
         counts[0] = result.skipped_tiles
@@ -104,52 +72,41 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
 
     ``valid_lengths`` (int CPU tensor ``[B]``, self-attention only): sample ``b`` attends among its first
     ``valid_lengths[b]`` tokens only (HunyuanVideo's joint sequence with padded text); the other rows are 0.
-    ``backend`` names the kernel route (a registered backend, resolved at install). ``planned``: the backend was
-    chosen for this call site at install; otherwise it is checked (explicit) or chosen (``auto``) here, once per
-    kind of call. ``settings``: this step's skip value, SAGE switch and probe rows (module docstring).
+    ``settings`` (float64 CPU ``[5]``, the call's own): what runs outside a run, then its handle's run key and its
+    site index; inside that handle's open run in this thread or task, the run's row for the site runs (module
+    docstring). ``backend`` names the kernel route (a registered
+    backend, resolved at install). ``planned``: the backend was chosen for this call site at install; otherwise
+    it is checked (explicit) or chosen (``auto``) here, once per kind of call.
     """
-    return _attention(q, k, v, valid_lengths, settings, False, backend, scale, causal, quant, per_kv_len,
-                      tile_q, tile_kv, planned)[0]
-
-
-@torch.library.custom_op("diffusers_trtllm::attention_counted", mutates_args=())
-def attention_counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
-                      settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str,
-                      per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention` that also returns this call's counts: int64 ``[4]`` on q's device, (skipped KV tiles,
-    tiles, 1, 1 if the backend counted tiles). The caller adds them to its site's counters."""
-    out, result, _ = _attention(q, k, v, valid_lengths, settings, True, backend, scale, causal, quant, per_kv_len,
-                                tile_q, tile_kv, planned)
-    return out, _counts(result, q.device)
-
-
-@torch.library.custom_op("diffusers_trtllm::attention_probed", mutates_args=())
-def attention_probed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
-                     settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str,
-                     per_kv_len: bool, tile_q: int, tile_kv: int, planned: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`attention_counted` that also returns the accuracy probe's float64 ``[Σ error², Σ exact²]`` over
-    ``settings[PROBE]`` query rows of the call (zeros when 0: a step not probed). The caller adds them to its
-    site's error sums."""
-    out, result, errors = _attention(q, k, v, valid_lengths, settings, True, backend, scale, causal, quant,
-                                     per_kv_len, tile_q, tile_kv, planned, probe=True)
-    return out, _counts(result, q.device), errors
+    own = settings.tolist()
+    site = int(own[SITE])
+    run = open_run(int(own[OWNER]))
+    value, sage, probe_rows = run.settings[site].tolist() if run is not None else own[:SETTINGS]
+    qkv, rows = packed_problem(q, k, v, valid_lengths)
+    if run is not None and run.probing[site]:
+        call = run.calls[site]
+        call.probe(call.site, qkv, scale=scale, causal=causal, tile=(tile_q, tile_kv))
+        value = 0.0
+    if not planned:
+        backend = unplanned_backend(backend, qkv, causal, value, quant)
+    factor = value * qkv.max_seqlen_kv if per_kv_len else value
+    counting = run is not None and run.counting
+    plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor,
+                      quant=decode_quant(quant) if sage else None, tile=(tile_q, tile_kv), count_skips=counting)
+    result = run_backend(backend, qkv, plan)
+    if counting:
+        run.uncounted_calls += 1
+        run.counts[site] += _counts(result, q.device)
+        if probe_rows:
+            run.error_sums[site] += probe_error_sums(qkv, result.out, int(probe_rows), scale, causal)
+    if rows is None:
+        return result.out.view(q.shape)
+    return q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape)
 
 
 @attention.register_fake
 def _(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
     return torch.empty_like(q)
-
-
-@attention_counted.register_fake
-def _(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
-    return torch.empty_like(q), q.new_empty(4, dtype=torch.int64)
-
-
-@attention_probed.register_fake
-def _(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
-    return torch.empty_like(q), q.new_empty(4, dtype=torch.int64), q.new_empty(2, dtype=torch.float64)
 
 
 def _setup_backward(ctx, inputs, output) -> None:
@@ -159,7 +116,7 @@ def _setup_backward(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v)
 
 
-def _backward(ctx, grad_out, *grad_counters):
+def _backward(ctx, grad_out):
     """Dense attention's gradient, recomputed with SDPA: straight-through for Skip-Softmax and SAGE (what they
     approximate), and exact for dense backends. For fine-tuning and tests; inference never calls it."""
     q, k, v = ctx.saved_tensors
@@ -184,8 +141,6 @@ def dense_attention(q, k, v, valid_lengths, scale: float, causal: bool) -> torch
 
 
 attention.register_autograd(_backward, setup_context=_setup_backward)
-attention_counted.register_autograd(_backward, setup_context=_setup_backward)
-attention_probed.register_autograd(_backward, setup_context=_setup_backward)
 
 
 def packed_problem(q, k, v, valid_lengths) -> tuple[VarlenQKV, torch.Tensor | None]:

@@ -5,9 +5,10 @@ backend for the GPU the pipeline will run on: an explicit backend that cannot ru
 head_dim, dtype, GPU) raises then, with the fix in the message; ``auto`` that cannot keep Skip-Softmax or SAGE
 warns once, naming the roles. Once per denoising step, :meth:`CallPlanner.plan_step` turns the timestep gate and
 λ (or the calibrated factor), the SAGE step schedule, the accuracy guard's decisions and the probe's steps into
-each site's ``settings``, a CPU tensor the attention op reads; nothing on the per-call path looks at Python state
-that changes during a run. At the end of a probed step, :meth:`CallPlanner.guard` reads the probed errors and
-takes SAGE (else skipping) away from a layer above its bound for the rest of the pipeline call.
+each site's row of the run's ``settings``, a CPU tensor the attention op reads (a run is one pipeline call:
+:mod:`~diffusers_trtllm.run_state`); nothing on the per-call path looks at Python state that changes during a
+run. At the end of a probed step, :meth:`CallPlanner.guard` reads the probed errors and takes SAGE (else
+skipping) away from a layer above its bound for the rest of the run.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .config import (AUTO, TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, Attention
                      SkipSoftmaxSpec)
 from .errors import AttentionConfigError, BackendUnavailableError, warn_user
 from .kernels.triton_sage import SKIP_SAMPLE_WAVES
-from .ops import SAGE, SKIP, encode_quant, initial_settings
+from .ops import encode_quant
+from .run_state import OWNER, SAGE, SKIP, Run, RunKey, initial_settings
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,8 @@ class HeadLayout:
 @dataclass(eq=False)
 class AttentionCall:
     """How one call site runs: what a processor hands to the attention op with every call of its role. Fixed at
-    install except ``settings`` (updated in place once per step: skip value, SAGE switch, probe rows),
-    ``counts`` and ``error_sums`` (accumulated on the device) and ``guard_dropped`` (what the guard took away in
-    this pipeline call)."""
+    install; what changes per run and step (settings, counters, the guard's decisions) is the run's, found by
+    ``owner`` (the handle's :class:`~diffusers_trtllm.run_state.RunKey`) and ``index`` (this site's row)."""
 
     site: CallSite
     backend: str
@@ -83,29 +84,32 @@ class AttentionCall:
     planned: bool = True
     #: the kernel route the op runs (``backend``, or the test seam's route chosen at install); "" = ``backend``
     route: str = ""
-    #: this step's skip value, SAGE switch and probe rows (``ops.SKIP``, ``ops.SAGE``, ``ops.PROBE``)
+    #: what runs outside a run (planned at no timestep: skip value, SAGE switch, probe rows), then ``owner``'s
+    #: key and ``index`` (``run_state.OWNER``, ``run_state.SITE``): what the op reads
     settings: torch.Tensor = field(default_factory=initial_settings)
-    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.int64))
-    #: the op adds to ``counts`` (statistics are on and the site was planned for the device ``counts`` is on)
+    #: the runs this call reads (its handle's key, also in ``settings``) and its row in them
+    owner: RunKey | None = None
+    index: int = 0
+    #: runs count this site's calls in their statistics (statistics are on)
     counting: bool = False
     #: the spec's Skip-Softmax even where ``auto`` dropped it: what a calibration probe counts.
     requested_skip: SkipSoftmaxSpec | None = None
-    #: calibration only (eager): this step's calls that would skip go to ``probe`` and then run dense.
+    #: calibration only (eager): a step's calls that would skip go to ``probe`` and then run dense.
     probe: Callable | None = None
-    probing: bool = False
-    #: the accuracy probe and guard (the op also returns ``[Σ error², Σ exact²]``, added to ``error_sums``)
+    #: the accuracy probe and guard (the op adds ``[Σ error², Σ exact²]`` to the run's sums)
     accuracy: AccuracySpec | None = None
-    error_sums: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
-    #: what the guard took away for the rest of the pipeline call: "sage", "skip"; "dense" once reported
-    guard_dropped: set = field(default_factory=set)
-    #: this step is probed (``settings[PROBE] > 0``), as a Python bool for the step boundary
-    step_probed: bool = False
 
     #: the op's arguments derived from the above, computed once (not on the traced path)
     quant_arg: str = field(init=False)
     per_kv_len: bool = field(init=False)
     #: the Hopper dense kernel the route names ("" where the backend has one): what dense steps run
     dense_kernel: str = field(init=False)
+
+    def __setstate__(self, state):
+        # a copy (deepcopy, pickle) of an installed call belongs to the copy's handle: its RunKey is new
+        self.__dict__.update(state)
+        if self.owner is not None:
+            self.settings[OWNER] = float(self.owner.value)
 
     def __post_init__(self):
         self.route = self.route or self.backend
@@ -116,7 +120,7 @@ class AttentionCall:
 
     @property
     def skip_value(self) -> torch.Tensor:
-        """This step's skip value (a 0-dim view of ``settings``)."""
+        """The skip value outside a run (a 0-dim view of ``settings``)."""
         return self.settings[SKIP]
 
     @property
@@ -149,18 +153,18 @@ class AttentionCall:
         return "+".join(parts + (["skip"] if skipping else [])) or (
             f"dense[{self.dense_kernel}]" if self.dense_kernel else "dense")
 
-    def current_mode(self) -> str:
-        """What this step runs, from ``settings``."""
-        return self.mode(bool(self.settings[SKIP]), bool(self.settings[SAGE]))
+    def mode_of(self, row) -> str:
+        """What a settings row runs."""
+        return self.mode(bool(row[SKIP]), bool(row[SAGE]))
 
-    def plan(self, timestep: float | None, step: int) -> None:
-        """Fill ``settings`` for step ``step`` at normalized ``timestep``: skip value and SAGE as the gates and the
-        guard allow, probe rows at probed steps (in place: no recompile)."""
-        skip = 0.0 if "skip" in self.guard_dropped else self.step_value(timestep)
-        sage = self.quant is not None and "sage" not in self.guard_dropped and self.quant.runs_at(timestep)
-        self.step_probed = self.probed and self.accuracy.probes(step)
-        rows = self.accuracy.probe_rows if self.step_probed else 0
-        self.settings.copy_(torch.tensor([skip, float(sage), float(rows)], dtype=torch.float64))
+    def plan_row(self, timestep: float | None, step: int, dropped: set = frozenset()) -> tuple[list[float], bool]:
+        """The settings row for step ``step`` at normalized ``timestep`` (skip value and SAGE as the gates and the
+        guard's ``dropped`` allow, probe rows at probed steps), and whether the step is probed."""
+        skip = 0.0 if "skip" in dropped else self.step_value(timestep)
+        sage = self.quant is not None and "sage" not in dropped and self.quant.runs_at(timestep)
+        probed = self.probed and self.accuracy.probes(step)
+        rows = self.accuracy.probe_rows if probed else 0
+        return [skip, float(sage), float(rows)], probed
 
     def step_value(self, timestep: float | None, skip: SkipSoftmaxSpec | None = None) -> float:
         """The skip value for a step at normalized ``timestep`` (None: no timestep known)."""
@@ -192,8 +196,9 @@ class CallPlanner:
         self.calls: dict[CallSite, AttentionCall] = {}
         self.layouts: dict[CallSite, HeadLayout] = {}
         self.traits: dict[CallSite, RoleTraits] = {}
-        self.timestep: float | None = None
-        self.step = 0
+        #: the key of this planner's runs (a deep copy or unpickled planner gets its own)
+        self.run_key = RunKey()
+        self.device = torch.device("cpu")
         self._warned: set[str] = set()
 
     # --- install time -------------------------------------------------------------------------------------------
@@ -219,8 +224,12 @@ class CallPlanner:
                                              f"{why}")
         for note in self._sampled_skipping_notes(calls.values(), self.traits, device):
             self.warn_once("sampled-skipping", note)
-        self._allocate_counts(device)
-        self.plan_step(self.timestep)
+        for index, call in enumerate(calls.values()):
+            call.owner, call.index = self.run_key, index
+            row = call.plan_row(None, 0)[0] + [float(self.run_key.value), float(index)]
+            call.settings.copy_(torch.tensor(row, dtype=torch.float64))
+        self._check_statistics()
+        self.device = device
 
     def _plan_site(self, site: CallSite, traits: RoleTraits, key: str, spec: AttentionSpec,
                    device: torch.device, dtype: torch.dtype) -> AttentionCall:
@@ -319,57 +328,62 @@ class CallPlanner:
                 "handle.stats reports the tiles actually skipped"
                 for pays_from, roles in sampled.items()]
 
-    def _allocate_counts(self, device: torch.device) -> None:
+    def _check_statistics(self) -> None:
         probed = [call.site.qualified_layer for call in self.calls.values() if call.accuracy is not None]
         if probed and not self.collect_stats:
             raise AttentionConfigError(
                 f"accuracy (the probe) is set for {len(probed)} layers (e.g. {probed[0]}) but collect_stats=False: "
                 "the probe reports its errors in handle.stats; install with collect_stats=True or remove accuracy")
         for call in self.calls.values():
-            call.counts = torch.zeros(4, dtype=torch.int64, device=device)
-            call.error_sums = torch.zeros(2, dtype=torch.float64, device=device)
             call.counting = self.collect_stats
 
-    # --- once per pipeline call and denoising step -----------------------------------------------------------------
-    def start_run(self) -> None:
-        """A pipeline call starts: what the guard took away in the last one is given back."""
-        for call in self.calls.values():
-            call.guard_dropped.clear()
+    # --- once per run and denoising step --------------------------------------------------------------------------
+    def new_run(self) -> Run:
+        """A run's state: zeroed counters, nothing taken away by the guard, step 0 planned at no timestep."""
+        run = Run.start(self.run_key.value, self.calls.values(), self.device, self.collect_stats)
+        self.plan_step(run, None, 0)
+        return run
 
-    def plan_step(self, timestep: float | None, step: int | None = None) -> None:
-        """Set every site's settings for step ``step`` (None: the current one) at normalized ``timestep`` (in
-        place: no recompile)."""
-        self.timestep = timestep
-        self.step = self.step if step is None else step
-        for call in self.calls.values():
-            call.plan(timestep, self.step)
-            call.probing = call.probe is not None and call.step_value(timestep, call.requested_skip) > 0.0
+    def plan_step(self, run: Run, timestep: float | None, step: int) -> None:
+        """Set every site's row of ``run.settings`` for step ``step`` at normalized ``timestep`` (in place: no
+        recompile)."""
+        run.timestep, run.step = timestep, step
+        rows = []
+        for i, call in enumerate(run.calls):
+            row, run.step_probed[i] = call.plan_row(timestep, step, run.guard_dropped[i])
+            rows.append(row)
+            run.probing[i] = call.probe is not None and call.step_value(timestep, call.requested_skip) > 0.0
+        if rows:
+            run.settings.copy_(torch.tensor(rows, dtype=torch.float64))
 
-    def guarding(self) -> bool:
-        """Whether this step is probed at a site with a guard (the clock then reads the errors at its end)."""
-        return any(call.step_probed and call.accuracy.max_error for call in self.calls.values())
+    @staticmethod
+    def guarding(run: Run) -> bool:
+        """Whether this step is probed at a site with a guard (the run then reads the errors at its end)."""
+        return any(probed and call.accuracy.max_error for call, probed in zip(run.calls, run.step_probed))
 
-    def guard(self, step: int, errors: Mapping["AttentionCall", tuple[float, float]]) -> None:
+    @staticmethod
+    def guard(run: Run, step: int, errors: Mapping[int, tuple[float, float]]) -> None:
         """The guard at the end of probed step ``step`` (``errors``: each probed site's ``(Σ error², Σ exact²)``
-        in it): a site above its ``accuracy.max_error`` loses SAGE, else skipping, for the rest of the pipeline
-        call (its settings change at the next :meth:`plan_step`), with a warning."""
-        for call, (error_sq, exact_sq) in errors.items():
+        in it, by site index): a site above its ``accuracy.max_error`` loses SAGE, else skipping, for the rest of
+        the run (its settings change at the next :meth:`plan_step`), with a warning."""
+        for index, (error_sq, exact_sq) in errors.items():
+            call, dropped, row = run.calls[index], run.guard_dropped[index], run.settings[index]
             bound = call.accuracy.max_error if call.accuracy is not None else None
-            if not bound or not call.step_probed or not exact_sq:
+            if not bound or not run.step_probed[index] or not exact_sq:
                 continue
             error = math.sqrt(error_sq / exact_sq)
             if error <= bound:
                 continue
-            mode = call.current_mode()
-            if bool(call.settings[SAGE]) and call.quant is not None:
+            mode = call.mode_of(row)
+            if bool(row[SAGE]) and call.quant is not None:
                 drop, what = "sage", "SAGE"
-            elif bool(call.settings[SKIP]):
+            elif bool(row[SKIP]):
                 drop, what = "skip", "Skip-Softmax"
-            elif "dense" in call.guard_dropped:
+            elif "dense" in dropped:
                 continue
             else:
                 drop, what = "dense", ""
-            call.guard_dropped.add(drop)
+            dropped.add(drop)
             outcome = (f"it runs without {what} for the rest of this pipeline call" if what else
                        "it ran dense, so there is nothing to drop (reported once per pipeline call)")
             warn_user(
@@ -378,10 +392,9 @@ class CallPlanner:
 
     def set_probe(self, probe: Callable | None) -> None:
         """Hand every call that would skip to ``probe(site, qkv, scale=, causal=, tile=)`` and run it dense
-        (Skip-Softmax calibration; eager runs only). ``None`` ends probing."""
+        (Skip-Softmax calibration; eager runs only) from the next planned step on. ``None`` ends probing."""
         for call in self.calls.values():
             call.probe = probe
-        self.plan_step(self.timestep)
 
     # --- messages -------------------------------------------------------------------------------------------------
     def warn_once(self, key: str, message: str) -> None:

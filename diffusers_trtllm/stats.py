@@ -2,11 +2,10 @@
 accuracy probe is on, the relative error of what ran against exact attention on the probed rows.
 
 Nothing is recorded on the per-call path: the attention op adds its tile counts (and the probe's error sums) to
-per-site counters on the device, and at each step boundary (outside any traced region)
-:meth:`AttentionStats.close_step` keeps the step's counters as stacked device tensors and zeroes them. They reach
-the host in one copy per kind when a summary is asked for (and the guard reads a probed step's errors once).
-Statistics hold one run (a pipeline call): a new run zeroes the counters and drops the last run's records, so
-memory stays flat over many calls.
+its run's per-site counters on the device, and at each step boundary (outside any traced region)
+:meth:`AttentionStats.close_step` keeps the step's counters as device copies and zeroes them. They reach the host
+in one copy per kind when a summary is asked for (and the guard reads a probed step's errors once). Statistics
+belong to one run (a pipeline call): each run has its own, so memory stays flat over many calls.
 """
 
 from __future__ import annotations
@@ -59,39 +58,36 @@ class AttentionStats:
     """Records keyed by ``(step, "component.layer", backend, mode)``: a layer whose attention calls run
     differently (Cosmos 3's dense causal stream beside its skipping generation stream) keeps one record per way.
 
-    ``calls``: the planned calls whose counters these statistics keep (those with ``counting`` set); the
-    accuracy probe's error sums are kept for those among them with an ``accuracy`` spec.
+    ``run``: the :class:`~diffusers_trtllm.run_state.Run` whose counters these statistics keep (none: empty
+    statistics); the accuracy probe's error sums are kept for its sites with an ``accuracy`` spec.
     """
 
-    def __init__(self, calls: Iterable = ()):
-        self._calls = [call for call in calls if call.counting]
-        self._probed = [call for call in self._calls if call.accuracy is not None]
-        # (step, modes, counts [calls, 4], probed flags, error sums [probed calls, 2] or None)
+    def __init__(self, run=None):
+        self._run = run if run is not None and run.counting else None
+        calls = self._run.calls if self._run is not None else ()
+        self._probed = [i for i, call in enumerate(calls) if call.accuracy is not None]
+        # (step, modes, counts [sites, 4], probed flags, error sums [probed sites, 2] or None)
         self._steps: list[tuple] = []
         self._records: dict = {}
 
-    def start_run(self) -> None:
-        """A run starts: the last run's records are dropped and every counter is zeroed."""
-        self._steps.clear()
-        self._records.clear()
-        if self._calls:
-            torch._foreach_zero_([call.counts for call in self._calls] + [call.error_sums for call in self._probed])
-
     def close_step(self, step: int) -> None:
-        """Keep the counters as step ``step`` (stacked device copies, no host sync) and zero them."""
-        if not self._calls:
+        """Keep the run's counters as step ``step`` (device copies, no host sync) and zero them; nothing when no
+        call counted since the last close."""
+        run = self._run
+        if run is None or not run.uncounted_calls:
             return
-        counts = [call.counts for call in self._calls]
-        modes = tuple(call.current_mode() for call in self._calls)
-        sums = [call.error_sums for call in self._probed]
-        probed = tuple(call.step_probed for call in self._probed)
-        self._steps.append((step, modes, torch.stack(counts), probed, torch.stack(sums) if sums else None))
-        torch._foreach_zero_(counts + sums)
+        modes = tuple(call.mode_of(row) for call, row in zip(run.calls, run.settings.tolist()))
+        sums = run.error_sums[self._probed].clone() if self._probed else None
+        probed = tuple(run.step_probed[i] for i in self._probed)
+        self._steps.append((step, modes, run.counts.clone(), probed, sums))
+        run.counts.zero_()
+        run.error_sums.zero_()
+        run.uncounted_calls = 0
 
-    def step_errors(self) -> dict:
-        """The last closed step's ``(Σ error², Σ exact²)`` per probed call (one host copy): what the guard reads
-        at the end of a probed step."""
-        if not self._steps or self._steps[-1][4] is None:
+    def step_errors(self, step: int) -> dict[int, tuple[float, float]]:
+        """Step ``step``'s ``(Σ error², Σ exact²)`` per probed site index, if it was the last closed (one host
+        copy): what the guard reads at the end of a probed step."""
+        if not self._steps or self._steps[-1][0] != step or self._steps[-1][4] is None:
             return {}
         return dict(zip(self._probed, map(tuple, self._steps[-1][4].cpu().tolist())))
 
@@ -99,28 +95,30 @@ class AttentionStats:
     def records(self) -> dict:
         """``{(step, layer, backend, mode): CallRecord}`` for every site that ran (one host copy per kind of
         counter of the steps closed since the last read)."""
-        if self._steps:
-            values = torch.stack([counts for _, _, counts, _, _ in self._steps]).cpu().tolist()
-            errors = (torch.stack([sums for *_, sums in self._steps]).cpu().tolist() if self._probed else
-                      [[] for _ in self._steps])
-            for (step, modes, _, probed, _), rows, sums in zip(self._steps, values, errors):
-                probe = {id(call): (flag, pair) for call, flag, pair in zip(self._probed, probed, sums)}
-                for call, mode, (skipped, total, calls, counted) in zip(self._calls, modes, rows):
-                    if not calls:
-                        continue
-                    key = (step, call.site.qualified_layer, call.backend, mode)
-                    rec = self._records.setdefault(key, CallRecord(call.backend, mode))
-                    rec.calls += calls
-                    rec.skipped += skipped
-                    rec.total += total
-                    rec.counted = rec.counted and counted == calls
-                    flag, (error_sq, exact_sq) = probe.get(id(call), (False, (0.0, 0.0)))
-                    if flag:
-                        rec.probed = True
-                        rec.error_sq += error_sq
-                        rec.exact_sq += exact_sq
-            self._steps.clear()
-        return self._records
+        if not self._steps:
+            return self._records
+        records, calls = self._records, self._run.calls
+        values = torch.stack([counts for _, _, counts, _, _ in self._steps]).cpu().tolist()
+        errors = (torch.stack([sums for *_, sums in self._steps]).cpu().tolist() if self._probed else
+                  [[] for _ in self._steps])
+        for (step, modes, _, probed, _), rows, sums in zip(self._steps, values, errors):
+            probe = {index: (flag, pair) for index, flag, pair in zip(self._probed, probed, sums)}
+            for index, (call, mode, (skipped, total, n_calls, counted)) in enumerate(zip(calls, modes, rows)):
+                if not n_calls:
+                    continue
+                key = (step, call.site.qualified_layer, call.backend, mode)
+                rec = records.setdefault(key, CallRecord(call.backend, mode))
+                rec.calls += n_calls
+                rec.skipped += skipped
+                rec.total += total
+                rec.counted = rec.counted and counted == n_calls
+                flag, (error_sq, exact_sq) = probe.get(index, (False, (0.0, 0.0)))
+                if flag:
+                    rec.probed = True
+                    rec.error_sq += error_sq
+                    rec.exact_sq += exact_sq
+        self._steps.clear()
+        return records
 
     def _sparsity_by(self, index: int) -> dict:
         skipped, total, uncounted = defaultdict(int), defaultdict(int), set()

@@ -1,239 +1,250 @@
-"""The denoising clock of a handle: which run and step its pipeline is at, and that step's timestep.
+"""A handle's runs: where each starts, which step it is at, and that step's timestep.
 
-A handle follows its own pipeline, not a scheduler object. Each call of the pipeline (``pipe(...)``) is a run on
-the scheduler the pipeline has at that moment: for the duration of that call only, the scheduler's
-``set_timesteps`` (the run's timesteps, copied to the host once), ``set_begin_index`` and ``step`` (a step ends)
-report to the clock, which plans each step outside the transformer; when the call returns they are the
-scheduler's own again. So replacing ``pipe.scheduler`` is followed at the next call, a scheduler shared by two
-pipelines carries nothing of either between calls, and nothing is read on the per-call attention path (the
-transformer can be compiled whole).
+A run is one pipeline call, owned by the thread or task that makes it (:mod:`~diffusers_trtllm.run_state`). The
+handle learns of it through diffusers' own channel, a stateful hook in each transformer's ``HookRegistry``:
 
-At the end of a step probed by a site with an accuracy guard, the clock reads that step's probed errors (one
-host copy, once per probed step) and hands them to the planner's guard before planning the next step.
+- **Pipelines that publish their step** (diffusers' Wan and Cosmos 3 pipelines wrap every transformer call in
+  ``transformer.cache_context(name, step_index=i, sigma=...)``): the first context opens a run in the calling
+  thread or task, a new ``step_index`` closes the step and plans the next at its normalized timestep t (the
+  context's ``timestep`` / ``num_train_timesteps`` where given, else its ``sigma``: the flow-matching time, which
+  is t before the scheduler rounds timesteps to integers), and diffusers' ``maybe_free_model_hooks`` at the end of
+  the call (``reset_stateful_hooks``) closes the run. A step index below the current one, or a context name seen
+  twice in one step, starts a new run (a call that raised before its end).
+- **Pipelines that publish only a name** (HunyuanVideo 1.5): the first context opens a run, a name seen twice
+  begins the next step, and where a timestep gate is configured, the transformer's timestep argument gives t (one
+  host read per transformer call).
+- **No pipeline** (a bare transformer, a custom loop, a transformer called directly outside a pipeline call): a
+  forward pre-hook reads the transformer's timestep argument (one host read per call): a call with a new timestep
+  is a new step of the thread's transformer-driven run, one with a higher timestep than the last (or the first)
+  starts a new run. This holds with and without a timestep gate, so statistics mean the same either way.
 
-Outside a pipeline call (a bare transformer, or a pipeline's transformer called directly), and only when a
-timestep gate (Skip-Softmax's or the SAGE step schedule) is configured, a forward pre-hook reads the
-transformer's timestep argument (one host read per transformer call): a new timestep is a new step, a rising one
-a new run.
+Nothing is read on the per-call attention path, and nothing of the user's objects is re-classed or wrapped: the
+transformer carries one named, removable hook in its ``HookRegistry`` and one forward pre-hook, both picklable.
+Whole-model ``torch.compile`` skips the pre-hook (runs of pipelines that publish their step need none).
+
+At the end of a step probed by a site with an accuracy guard, the run's probed errors are read (one host copy,
+once per probed step) and handed to the planner's guard before the next step is planned.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
-from typing import Callable
-
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks.hooks import BaseState, StateManager
 
-from .errors import AttentionConfigError
 from .plan import CallPlanner
+from .processors.base import bound_arguments
+from .run_state import Run, open_run, run_here, set_run_here
 from .stats import AttentionStats
 
-TimestepReader = Callable[[dict], "torch.Tensor | float | None"]
-
-#: The pipeline attribute that names the clock following it (set by :meth:`DenoisingClock.follow`).
-_CLOCK_ATTRIBUTE = "_diffusers_trtllm_clock"
-#: Scheduler methods that report to the clock during a pipeline call.
-_REPORTING = ("set_timesteps", "set_begin_index", "step")
+#: the name of the handle's hook in a transformer's ``HookRegistry``
+HOOK_NAME = "diffusers_trtllm"
+PIPELINE, TRANSFORMER = "pipeline", "transformer"
 
 
-class DenoisingClock:
-    """Drives ``planner`` and ``stats`` from a pipeline's calls (or, without one, from the transformer's argument).
+class RunTracker:
+    """Opens, steps and closes a handle's runs from the channels above (see the module docstring).
 
-    ``running``: a run is open (a pipeline call in progress, or a transformer-driven run); statistics close steps
-    only then, so calls between a pipeline's runs belong to no run (their counters are zeroed when the next starts).
+    ``gated``: some site's settings follow the timestep (Skip-Softmax's gate, the SAGE step schedule).
     """
 
-    def __init__(self, planner: CallPlanner, stats: AttentionStats, num_train_timesteps: int, *, gated: bool):
+    def __init__(self, planner: CallPlanner, num_train_timesteps: int, *, gated: bool):
         self.planner = planner
-        self.stats = stats
         self.num_train_timesteps = num_train_timesteps
         self.gated = gated
-        self.step = 0
-        self.timesteps: list[float] = []
-        self.running = False
-        self.in_pipeline_call = False
-        self._undo: list[Callable[[], None]] = []
+        #: the last run that ended in any thread (what ``handle.stats`` shows where the caller's thread has none)
+        self.last_ended: Run | None = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "last_ended": None}  # a copy starts without the original's runs
+
+    @property
+    def key(self) -> int:
+        return self.planner.run_key.value
 
     # --- runs and steps -----------------------------------------------------------------------------------------
-    def start_run(self) -> None:
-        """A run starts: statistics and counters zeroed, step 0, no timestep known yet."""
-        self.stats.start_run()
-        self.planner.start_run()
-        self.running = True
-        self.step = 0
-        self.timesteps = []
-        self.planner.plan_step(None, 0)
+    def begin(self, source: str) -> Run:
+        """A new run in this thread or task (ending the one open here): counters zeroed, step 0 at no timestep."""
+        previous = open_run(self.key)
+        if previous is not None:
+            self.end(previous)
+        run = self.planner.new_run()
+        run.data.update(stats=AttentionStats(run), source=source, names=set(), published_step=False, fresh=True)
+        set_run_here(self.key, run)
+        return run
 
-    def set_timesteps(self, timesteps: torch.Tensor, num_train_timesteps: int) -> None:
-        """The run's timesteps (one host copy per run); plans the current step."""
-        self.num_train_timesteps = num_train_timesteps
-        self.timesteps = [t / num_train_timesteps for t in torch.as_tensor(timesteps).float().tolist()]
-        self.step = 0
-        self.planner.plan_step(self._timestep_at(self.step), self.step)
-
-    def set_step(self, step: int) -> None:
-        """The scheduler starts (or continues) at ``step`` of its timesteps (img2img's begin index)."""
-        self.step = step
-        self.planner.plan_step(self._timestep_at(step), step)
-
-    def end_step(self, next_step: int | None = None) -> None:
-        """A denoising step ended: keep its statistics, let the guard judge it, and plan the next one (the
-        scheduler's own step index when it has one)."""
-        self._close_step()
-        self.set_step(self.step + 1 if next_step is None else next_step)
-
-    def _close_step(self) -> None:
-        self.stats.close_step(self.step)
-        if self.planner.guarding():
-            self.planner.guard(self.step, self.stats.step_errors())
-
-    def flush(self) -> None:
-        """Keep the counters of the step in progress (before statistics are read)."""
-        if self.running:
-            self.stats.close_step(self.step)
-
-    def _timestep_at(self, step: int) -> float | None:
-        return self.timesteps[step] if 0 <= step < len(self.timesteps) else None
-
-    # --- pipeline-driven ----------------------------------------------------------------------------------------
-    def follow(self, pipe) -> None:
-        """Follow ``pipe``'s calls (undone by :meth:`detach`): its class becomes a subclass of the same name
-        whose ``__call__`` opens :meth:`pipeline_call` when this clock is the pipeline's."""
-        original = type(pipe)
-        if not callable(pipe) or not hasattr(pipe, "__dict__"):
-            raise AttentionConfigError(
-                f"enable_trtllm_attention takes a diffusers pipeline (called as pipe(...)) or a transformer; got a "
-                f"{original.__name__}: pass pipe.transformer to install on the transformer alone")
-        followed = _followed_class(original)
-        pipe.__dict__[_CLOCK_ATTRIBUTE] = self
-        pipe.__class__ = followed
-
-        def undo():
-            if pipe.__dict__.get(_CLOCK_ATTRIBUTE) is self:
-                del pipe.__dict__[_CLOCK_ATTRIBUTE]
-            if type(pipe) is followed:
-                pipe.__class__ = original
-
-        self._undo.append(undo)
-
-    @contextlib.contextmanager
-    def pipeline_call(self, pipe):
-        """One pipeline call: a run on the scheduler ``pipe`` has now, reporting to this clock until it returns."""
-        if self.in_pipeline_call:  # a pipeline calling itself: one run
-            yield
+    def end(self, run: Run) -> None:
+        """Close ``run``: its last step is kept, it stays this thread's run for ``handle.stats``."""
+        if not run.is_open:
             return
-        scheduler = getattr(pipe, "scheduler", None)
-        if self.gated and not (hasattr(scheduler, "set_timesteps") and hasattr(scheduler, "step")):
-            raise AttentionConfigError(
-                "skip_softmax.disabled_until_timestep, quant.disabled_below_timestep or quant."
-                f"disabled_until_timestep needs the pipeline's timesteps, but pipe.scheduler is "
-                f"{type(scheduler).__name__}, which has no set_timesteps/step; give the pipeline a diffusers "
-                "scheduler or remove the gate")
-        undo = [] if scheduler is None else self._report_from(scheduler)
-        self.start_run()
-        self.in_pipeline_call = True
-        try:
-            yield
-        finally:
-            self.in_pipeline_call = self.running = False
-            while undo:
-                undo.pop()()
+        self._close_step(run)
+        run.is_open = False
+        self.last_ended = run
 
-    def _report_from(self, scheduler) -> list[Callable[[], None]]:
-        num_train = num_train_timesteps(scheduler)
-        after = {"set_timesteps": lambda: self.set_timesteps(scheduler.timesteps, num_train),
-                 "set_begin_index": lambda: self.set_step(scheduler.begin_index or 0),
-                 "step": lambda: self.end_step(_step_index(scheduler))}
-        undo = []
-        for name in _REPORTING:
-            original = getattr(scheduler, name, None)
-            if original is None:
-                continue
-            wrapper = _reporting(original, after[name])
-            had_own = name in scheduler.__dict__
-            setattr(scheduler, name, wrapper)
-            undo.append(functools.partial(_unwrap, scheduler, name, wrapper, original if had_own else None))
-        return undo
+    def advance(self, run: Run, step: int, timestep: float | None) -> None:
+        """Step ``run.step`` ended: keep its statistics, let the guard judge it, plan ``step`` at ``timestep``."""
+        if not run.data["fresh"]:
+            self._close_step(run)
+        run.data["fresh"] = False
+        self.planner.plan_step(run, timestep, step)
 
-    def detach(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+    def _close_step(self, run: Run) -> None:
+        stats = run.data["stats"]
+        stats.close_step(run.step)
+        if self.planner.guarding(run):
+            self.planner.guard(run, run.step, stats.step_errors(run.step))
 
-    # --- transformer-driven (no pipeline call) ------------------------------------------------------------------
-    def observe(self, raw) -> None:
-        """A transformer call outside a pipeline call with raw timestep ``raw``: a new value is a new step, a
-        rising one (or the first) a new run."""
-        if self.in_pipeline_call or raw is None:
+    def stats_run(self) -> Run | None:
+        """The run ``handle.stats`` shows: this thread's (open or last ended), else the last ended anywhere."""
+        return run_here(self.key) or self.last_ended
+
+    # --- channel 1: diffusers' cache context ----------------------------------------------------------------------
+    def on_cache_context(self, context) -> None:
+        """A pipeline entered ``transformer.cache_context(...)`` (None: it left it)."""
+        if context is None:
             return
+        run = open_run(self.key)
+        step, name = context.step_index, context.name
+        if run is None or run.data["source"] != PIPELINE or self._starts_over(run, step, name):
+            run = self.begin(PIPELINE)
+        names = run.data["names"]
+        if step is None:  # a name-only channel: a name seen in this step begins the next one
+            if name in names or run.data["fresh"]:
+                self.advance(run, 0 if run.data["fresh"] else run.step + 1, run.timestep)
+                names.clear()
+        elif run.data["fresh"] or step != run.step:
+            self.advance(run, step, self._timestep_of(context))
+            names.clear()
+        names.add(name)
+        run.data["published_step"] = step is not None
+
+    @staticmethod
+    def _starts_over(run: Run, step: int | None, name: str) -> bool:
+        if run.data["fresh"]:
+            return False
+        if step is None:
+            return run.data["published_step"]
+        return step < run.step or (step == run.step and name in run.data["names"])
+
+    def _timestep_of(self, context) -> float | None:
+        if context.timestep is not None:
+            raw = context.timestep
+            value = float(raw.detach().float().max()) if torch.is_tensor(raw) else float(raw)
+            return value / self.num_train_timesteps
+        return None if context.sigma is None else float(context.sigma)
+
+    def on_reset(self) -> None:
+        """diffusers reset the transformer's stateful hooks (``maybe_free_model_hooks`` ends every pipeline call):
+        the run open in this thread or task ends."""
+        run = open_run(self.key)
+        if run is not None and run.data["source"] == PIPELINE:
+            self.end(run)
+
+    # --- channel 2: the transformer's timestep argument ---------------------------------------------------------
+    def on_transformer_call(self, raw) -> None:
+        """A transformer call with timestep argument ``raw`` (a tensor, number or None), read only if needed."""
+        run = open_run(self.key)
+        if run is not None and run.data["source"] == PIPELINE:
+            if not run.data["published_step"] and self.gated and raw is not None:
+                t = self._normalized(raw)
+                if t != run.timestep:
+                    self.planner.plan_step(run, t, run.step)
+            return
+        t = None if raw is None else self._normalized(raw)
+        if run is None or t is None or run.timestep is None or t > run.timestep:
+            run = self.begin(TRANSFORMER)
+            self.advance(run, 0, t)
+        elif t != run.timestep:
+            self.advance(run, run.step + 1, t)
+
+    def _normalized(self, raw) -> float:
         value = float(raw.detach().float().max()) if torch.is_tensor(raw) else float(raw)
-        t = value / self.num_train_timesteps
-        current = self.planner.timestep if self.running else None
-        if current is None or t > current:
-            self.start_run()
-        elif t != current:
-            self._close_step()
-            self.step += 1
-        self.planner.plan_step(t, self.step)
+        return value / self.num_train_timesteps
 
-    def timestep_hook(self, module: torch.nn.Module, reader: TimestepReader) -> None:
-        """A forward pre-hook on ``module`` that feeds its timestep argument to :meth:`observe`."""
-        signature = inspect.signature(module.forward)
 
-        def hook(mod, args, kwargs):
-            if self.in_pipeline_call:
-                return
-            try:
-                bound = signature.bind_partial(*args, **kwargs).arguments
-            except TypeError:
-                bound = kwargs
-            self.observe(reader(bound))
+class _StepChannel(StateManager):
+    """Where diffusers' ``cache_context`` delivers a pipeline's position: to the tracker, which keeps it in the
+    calling thread's run (never on this shared object)."""
 
-        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-        self._undo.append(handle.remove)
+    def __init__(self, tracker: RunTracker):
+        super().__init__(BaseState)
+        self.tracker = tracker
+
+    def set_context(self, context) -> None:
+        self.tracker.on_cache_context(context)
+
+
+class RunHook(ModelHook):
+    """The handle's hook in a transformer's ``HookRegistry``: stateful, so diffusers hands it each cache context
+    and resets it at the end of each pipeline call. It does nothing in ``forward``."""
+
+    _is_stateful = True
+
+    def __init__(self, tracker: RunTracker):
+        super().__init__()
+        self.channel = _StepChannel(tracker)
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.channel.tracker.on_reset()
+        return module
+
+
+class TimestepReader:
+    """A forward pre-hook (with kwargs) that hands the transformer's timestep argument to the tracker."""
+
+    def __init__(self, tracker: RunTracker, names: tuple[str, ...]):
+        self.tracker, self.names = tracker, names
+
+    def __call__(self, module, args, kwargs) -> None:
+        if torch.compiler.is_compiling():  # whole-model compile: the cache-context channel serves pipelines
+            return
+        self.tracker.on_transformer_call(read_timestep_arguments(bound_arguments(module, args, kwargs), self.names))
+
+
+def read_timestep_arguments(bound: dict, names: tuple[str, ...]) -> torch.Tensor | None:
+    """The raw timesteps a transformer call got in its arguments ``names`` (all noisy modalities), or None."""
+    present = [t.flatten() for name in names if (t := bound.get(name)) is not None and torch.is_tensor(t) and t.numel()]
+    return torch.cat(present) if present else None
+
+
+def attach(tracker: RunTracker, transformer: torch.nn.Module, timestep_names: tuple[str, ...]):
+    """Attach the tracker to ``transformer``: its hook in the ``HookRegistry`` and the timestep pre-hook. Returns
+    the function that detaches them, leaving the transformer's attributes as they were."""
+    had_registry = "_diffusers_hook" in transformer.__dict__
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    missing = object()
+    forward = transformer.__dict__.get("forward", missing)
+    registry.register_hook(RunHook(tracker), HOOK_NAME)
+    # The hook does nothing in forward: keep the transformer's forward as it was (diffusers' rewrite is a local
+    # function, which would make the transformer unpicklable).
+    _set_forward(transformer, forward, missing)
+    pre_hook = transformer.register_forward_pre_hook(TimestepReader(tracker, timestep_names), with_kwargs=True)
+
+    def detach():
+        pre_hook.remove()
+        current = transformer.__dict__.get("forward", missing)
+        registry.remove_hook(HOOK_NAME, recurse=False)
+        _set_forward(transformer, current, missing)
+        if not had_registry and not registry.hooks and transformer.__dict__.get("_diffusers_hook") is registry:
+            del transformer._diffusers_hook
+
+    return detach
+
+
+def _set_forward(module: torch.nn.Module, forward, missing) -> None:
+    if forward is missing:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = forward
+
+
+def installed_tracker(transformer: torch.nn.Module) -> RunTracker | None:
+    """The tracker attached to ``transformer``, if any."""
+    registry = transformer.__dict__.get("_diffusers_hook")
+    hook = registry.get_hook(HOOK_NAME) if registry is not None else None
+    return hook.channel.tracker if hook is not None else None
 
 
 def num_train_timesteps(scheduler) -> int:
     """The scheduler's ``num_train_timesteps`` (what normalizes its timesteps to t), 1000 without one."""
     return getattr(getattr(scheduler, "config", None), "num_train_timesteps", None) or 1000
-
-
-def _step_index(scheduler) -> int | None:
-    index = getattr(scheduler, "step_index", None)
-    return index if isinstance(index, int) else None
-
-
-def _reporting(original, after: Callable[[], None]):
-    @functools.wraps(original)
-    def wrapped(*args, **kwargs):
-        result = original(*args, **kwargs)
-        after()
-        return result
-
-    return wrapped
-
-
-def _unwrap(scheduler, name: str, wrapper, own_original) -> None:
-    # Only our own wrapper is removed; a wrapper set over it later is left to whoever set it.
-    if scheduler.__dict__.get(name) is wrapper:
-        if own_original is None:
-            del scheduler.__dict__[name]
-        else:
-            scheduler.__dict__[name] = own_original
-
-
-@functools.lru_cache(maxsize=None)  # one subclass per pipeline class the process uses
-def _followed_class(cls: type) -> type:
-    original_call = cls.__call__
-
-    @functools.wraps(original_call)
-    def __call__(self, *args, **kwargs):
-        clock = self.__dict__.get(_CLOCK_ATTRIBUTE)
-        if clock is None:
-            return original_call(self, *args, **kwargs)
-        with clock.pipeline_call(self):
-            return original_call(self, *args, **kwargs)
-
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})

@@ -35,11 +35,17 @@ def tiny_wan(i2v=False, **kwargs):
     return tiny_wan_transformer(**extra, **kwargs)
 
 
-def predicted_gate_modes(scheduler, gate: float) -> dict[int, str]:
-    """Per step of ``scheduler`` (timesteps already set): "skip" where t = timestep / num_train_timesteps <= gate,
-    else "dense" — what the timestep gate must do."""
-    train = scheduler.config.num_train_timesteps
-    return {i: "skip" if t / train <= gate else "dense" for i, t in enumerate(scheduler.timesteps.tolist())}
+def predicted_gate_modes(scheduler, gate: float, *, from_sigmas: bool = True) -> dict[int, str]:
+    """Per step of ``scheduler`` (timesteps already set): "skip" where t <= gate, else "dense" — what the timestep
+    gate must do. t is the step's sigma where the pipeline publishes it (diffusers' Wan and Cosmos 3 pipelines),
+    else (``from_sigmas=False``: HunyuanVideo 1.5, custom loops, a bare transformer) the timestep argument /
+    num_train_timesteps."""
+    if from_sigmas:
+        values = scheduler.sigmas[:len(scheduler.timesteps)].tolist()
+    else:
+        train = scheduler.config.num_train_timesteps
+        values = [t / train for t in scheduler.timesteps.tolist()]
+    return {i: "skip" if t <= gate else "dense" for i, t in enumerate(values)}
 
 
 def load_script(relative: str):
@@ -68,17 +74,28 @@ def cosmos3_transformer_call():
 
 class LoopPipeline:
     """The shape of a diffusers pipeline call, without encoders or VAE: ``set_timesteps``, then per timestep one
-    transformer call and ``scheduler.step``."""
+    transformer call with that timestep and ``scheduler.step``. ``publish``: each transformer call inside
+    ``transformer.cache_context("cond", step_index=i, sigma=...)`` and ``maybe_free_model_hooks``' reset at the
+    end, as diffusers' Wan and Cosmos 3 pipelines do; without it, a custom loop that publishes nothing."""
 
-    def __init__(self, transformer, scheduler):
-        self.transformer, self.scheduler = transformer, scheduler
+    def __init__(self, transformer, scheduler, publish: bool = False):
+        self.transformer, self.scheduler, self.publish = transformer, scheduler, publish
 
-    def __call__(self, inputs: dict, steps: int) -> torch.Tensor:
+    def __call__(self, inputs: dict, steps: int, begin: int = 0) -> torch.Tensor:
         self.scheduler.set_timesteps(steps)
+        self.scheduler.set_begin_index(begin)
         latents = inputs["hidden_states"]
-        for t in self.scheduler.timesteps:
-            self.transformer(**inputs)
+        batch = latents.shape[0]
+        for i, t in enumerate(self.scheduler.timesteps[begin:], start=begin):
+            call = {**inputs, "timestep": t.expand(batch)}
+            if self.publish:
+                with self.transformer.cache_context("cond", step_index=i, sigma=float(self.scheduler.sigmas[i])):
+                    self.transformer(**call)
+            else:
+                self.transformer(**call)
             latents = self.scheduler.step(torch.zeros_like(latents), t, latents).prev_sample
+        if self.publish:
+            self.transformer._reset_stateful_cache()
         return latents
 
 

@@ -133,7 +133,7 @@ def test_gate_switches_at_predicted_step():
     steps, gate = 4, 0.9
     scheduler = copy.deepcopy(pipe.scheduler)
     scheduler.set_timesteps(sigmas=[1.0 - i / steps for i in range(steps)])
-    expected = predicted_gate_modes(scheduler, gate)
+    expected = predicted_gate_modes(scheduler, gate, from_sigmas=False)
     assert "dense" in expected.values() and "skip" in expected.values()
     config = {"default": {"backend": "TORCH_REFERENCE",
                           "skip_softmax": {"threshold": 0.2, "disabled_until_timestep": gate}}}

@@ -18,6 +18,8 @@ Two forms:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import ClassVar, Mapping
 
 import torch
@@ -122,11 +124,20 @@ class TrtllmAttnProcessor:
                         f"({', '.join(self.ATTENTION_CLASSES)} modules) but was called on a {name}{hint} "
                         "(or use enable_trtllm_attention, which picks the processor from the model)")
 
-    @classmethod
-    def shared_state(cls) -> dict:
-        """Keyword arguments shared by the processors of one transformer (none by default)."""
-        return {}
-
     def install_hooks(self, transformer: torch.nn.Module) -> list:
-        """Forward hooks a model's processors need on the transformer (none by default); returns their handles."""
+        """Forward hooks a model's processors need on the transformer (none by default; picklable objects, never
+        holding a call's state); returns their handles."""
         return []
+
+
+def bound_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``module.forward``'s arguments of one call by name (what a forward pre-hook with kwargs receives)."""
+    try:
+        return _forward_signature(type(module)).bind_partial(module, *args, **kwargs).arguments
+    except TypeError:
+        return kwargs
+
+
+@functools.lru_cache(maxsize=None)  # one per module class
+def _forward_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)

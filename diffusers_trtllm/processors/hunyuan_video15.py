@@ -10,8 +10,9 @@ The text mask ``[B, L_text]`` marks each sample's valid text tokens. diffusers' 
 its valid prefix (all video tokens + its valid text tokens), which the attention op packs into one ragged call.
 Padded positions get 0, as PyTorch's SDPA gives fully masked rows; they never reach a valid token. The valid
 lengths are read on the host once per transformer call, by a pre-hook on the first block that binds its
-``attention_mask`` argument by name (diffusers passes every block the same mask); the processors of the other
-blocks reuse them (the unbound ``set_attn_processor`` form reads the mask where it arrives). The projections are diffusers' modules and
+``attention_mask`` argument by name and keeps them on that mask tensor, which the transformer builds anew for
+each call and passes to every block: they belong to the call, whichever thread makes it. The processors of the
+other blocks reuse them (the unbound ``set_attn_processor`` form reads the mask where it arrives). The projections are diffusers' modules and
 ``apply_rotary_emb``, in diffusers' order; only the mask handling differs, which is why this processor has its
 own ``__call__``.
 
@@ -22,7 +23,6 @@ The text refiner (``context_embedder.token_refiner``) uses the same ``Attention`
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
@@ -30,18 +30,20 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
 from ..plan import RoleTraits
-from .base import TrtllmAttnProcessor
+from .base import TrtllmAttnProcessor, bound_arguments
 
 
-class TextLengths:
-    """Valid text tokens per sample of the transformer call in progress (an int CPU tensor), shared by the
-    joint-attention processors of one transformer."""
+#: the attribute of a transformer call's text mask that holds its valid tokens per sample (int CPU tensor)
+VALID_TOKENS_ATTRIBUTE = "_diffusers_trtllm_valid_tokens"
 
-    def __init__(self):
-        self.counts: torch.Tensor | None = None
 
-    def read(self, text_mask: torch.Tensor | None) -> None:
-        self.counts = None if text_mask is None else text_mask.sum(dim=1).cpu()
+class TextLengthsReader:
+    """The first joint block's forward pre-hook: reads the call's valid text tokens once, onto its mask."""
+
+    def __call__(self, block, args, kwargs) -> None:
+        mask = bound_arguments(block, args, kwargs).get("attention_mask")
+        if mask is not None:
+            setattr(mask, VALID_TOKENS_ATTRIBUTE, mask.sum(dim=1).cpu())
 
 
 def _heads(projection: torch.nn.Module, states: torch.Tensor, heads: int) -> torch.Tensor:
@@ -58,27 +60,13 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
 
     _refiner_processor = AttnProcessor2_0()
 
-    def __init__(self, config=None, *, calls=None, text_lengths: TextLengths | None = None):
-        super().__init__(config, calls=calls)
-        self.text_lengths = text_lengths
-
     @classmethod
     def serves(cls, module: torch.nn.Module) -> bool:
         # Joint blocks project text with added K/V projections; the text refiner's Attention has none.
         return super().serves(module) and getattr(module, "added_kv_proj_dim", None) is not None
 
-    @classmethod
-    def shared_state(cls) -> dict:
-        return {"text_lengths": TextLengths()}
-
     def install_hooks(self, transformer: torch.nn.Module) -> list:
-        lengths, first_block = self.text_lengths, transformer.transformer_blocks[0]
-        signature = inspect.signature(first_block.forward)
-
-        def read_text_mask(block, args, kwargs):
-            lengths.read(signature.bind_partial(*args, **kwargs).arguments.get("attention_mask"))
-
-        return [first_block.register_forward_pre_hook(read_text_mask, with_kwargs=True)]
+        return [transformer.transformer_blocks[0].register_forward_pre_hook(TextLengthsReader(), with_kwargs=True)]
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
@@ -120,5 +108,7 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
     def _valid_lengths(self, text_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
         if text_mask is None:
             return None
-        counts = self.text_lengths.counts if self.text_lengths is not None else text_mask.sum(dim=1).cpu()
+        counts = getattr(text_mask, VALID_TOKENS_ATTRIBUTE, None)
+        if counts is None:
+            counts = text_mask.sum(dim=1).cpu()
         return counts + (seq_len - text_mask.shape[1])
