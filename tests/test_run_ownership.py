@@ -1,0 +1,194 @@
+"""A run belongs to the call that makes it, and install changes only what diffusers' extension points provide for.
+
+Through the public API on the tiny Wan 2.2 pipeline (CPU, ``TORCH_REFERENCE``), as users meet it:
+
+- diffusers' serving pattern (``examples/server-async``'s ``RequestScopedPipeline``: per request ``copy.copy(pipe)``
+  with a deep-copied scheduler, requests in threads) and a ``from_pipe`` twin sharing the transformer, each run at
+  the same time as another, bit-identical to the same request run alone, statistics too;
+- the pipeline keeps its class; pickle and deepcopy work while installed and the copy generates the same output;
+- two handles restored in either order leave every object exactly as before; a third-party patch of the
+  pipeline class stays theirs; nothing of the package keeps a transformer or pipeline alive after restore.
+"""
+
+import copy
+import gc
+import pickle
+import threading
+import weakref
+
+import pytest
+import torch
+from diffusers import WanPipeline
+
+from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
+from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline, tiny_wan_transformer
+
+# The issue's case: SAGE int8 switched on by the step schedule, Skip-Softmax behind its timestep gate.
+GATED = {"default": {"backend": "TORCH_REFERENCE",
+                     "skip_softmax": {"threshold": 0.3, "disabled_until_timestep": 0.8},
+                     "quant": {"dtype_qk": "int8", "disabled_until_timestep": 0.8}}}
+TRIALS = 3
+
+
+def tiny_pipe(seed=0, two_experts=True):
+    pipe = tiny_wan22_pipeline(seed, two_experts=two_experts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def request(pipe, steps, prompt="a fox in snow"):
+    return pipe(prompt, negative_prompt="blur", height=96, width=160, num_frames=5, num_inference_steps=steps,
+                generator=torch.Generator().manual_seed(steps), output_type="latent").frames
+
+
+def run_together(jobs: dict) -> dict:
+    """Run ``{name: callable}`` at the same time in threads, starting together; their results by name."""
+    results, errors = {}, []
+    barrier = threading.Barrier(len(jobs))
+
+    def run(name):
+        try:
+            barrier.wait()
+            results[name] = jobs[name]()
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
+def scoped(pipe):
+    """diffusers' ``RequestScopedPipeline``: a shallow copy of the pipeline with a scheduler of its own."""
+    local = copy.copy(pipe)
+    local.scheduler = copy.deepcopy(pipe.scheduler)
+    return local
+
+
+def test_requests_on_shallow_copies_in_threads_each_run_their_own_plan():
+    """Two requests of 8 and 3 steps at the same time on request-scoped copies: each bit-identical to the same
+    request run alone, and each thread's statistics are its own request's."""
+    pipe = tiny_pipe()
+    with enable_trtllm_attention(pipe, GATED) as handle:
+        alone = {steps: (request(scoped(pipe), steps), handle.stats.summary()) for steps in (8, 3)}
+        assert alone[8][1] != alone[3][1]
+        for _ in range(TRIALS):
+            together = run_together({steps: lambda steps=steps: (request(scoped(pipe), steps),
+                                                                 handle.stats.summary()) for steps in (8, 3)})
+            for steps, (out, summary) in together.items():
+                assert torch.equal(out, alone[steps][0]), steps
+                assert summary == alone[steps][1], steps
+
+
+def test_a_from_pipe_twin_sharing_the_transformer_runs_its_own_plan():
+    """``from_pipe`` shares the installed transformers; the twin and the original, at the same time, each give
+    what they give alone."""
+    pipe = tiny_pipe()
+    with enable_trtllm_attention(pipe, GATED):
+        twin = WanPipeline.from_pipe(pipe, scheduler=copy.deepcopy(pipe.scheduler))
+        twin.set_progress_bar_config(disable=True)
+        assert twin.transformer is pipe.transformer
+        alone = {"pipe": request(pipe, 8), "twin": request(twin, 3)}
+        for _ in range(TRIALS):
+            together = run_together({"pipe": lambda: request(pipe, 8), "twin": lambda: request(twin, 3)})
+            for name, out in together.items():
+                assert torch.equal(out, alone[name]), name
+
+
+def test_installed_pipeline_keeps_its_class_and_pickles_and_deep_copies():
+    pipe = tiny_pipe()
+    handle = enable_trtllm_attention(pipe, GATED)
+    try:
+        assert type(pipe) is WanPipeline
+        expected = request(pipe, 4)
+        for copied in (pickle.loads(pickle.dumps(pipe)), copy.deepcopy(pipe)):
+            assert type(copied) is WanPipeline
+            copied.set_progress_bar_config(disable=True)
+            assert torch.equal(request(copied, 4), expected)
+        # the copy runs its own plan, not the original's runs
+        transformer = copy.deepcopy(pipe.transformer)
+        own = {call.owner.value for p in transformer.attn_processors.values() for call in p.calls.values()}
+        assert own.isdisjoint({handle.planner.run_key.value})
+        assert torch.equal(request(pipe, 4), expected)  # the original is unchanged by being copied
+    finally:
+        handle.restore()
+
+
+def test_attention_config_pickles_and_round_trips():
+    config = AttentionConfig.coerce({**GATED, "per_role": {"cross": {"backend": "TORCH_SDPA"}}})
+    for copied in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config)):
+        assert copied == config and copied.to_json() == config.to_json()
+
+
+def snapshot(obj) -> dict:
+    """What install may not change: the type, the attribute names, and for a module its hooks and processors'
+    types."""
+    state = {"type": type(obj), "attributes": sorted(vars(obj))}
+    if isinstance(obj, torch.nn.Module):
+        state["pre_hooks"] = list(obj._forward_pre_hooks.values())
+        state["forward"] = vars(obj).get("forward")
+        state["processors"] = {k: type(p) for k, p in obj.attn_processors.items()}
+        registry = vars(obj).get("_diffusers_hook")
+        state["hooks"] = list(registry.hooks) if registry is not None else None
+    return state
+
+
+@pytest.mark.parametrize("order", ["first-installed-first", "last-installed-first"])
+def test_two_handles_restored_in_either_order_leave_every_object_as_before(order):
+    """A handle on the pipeline, the transformer swapped, a second handle: restored in either order, the
+    pipeline and both transformers are exactly as before install."""
+    pipe = tiny_pipe(two_experts=False)
+    first_transformer, second_transformer = pipe.transformer, tiny_wan_transformer(seed=1)
+    before = {name: snapshot(obj) for name, obj in
+              (("pipe", pipe), ("first", first_transformer), ("second", second_transformer))}
+    h1 = enable_trtllm_attention(pipe, GATED)
+    pipe.transformer = second_transformer
+    h2 = enable_trtllm_attention(pipe, GATED)
+    assert type(type(pipe).from_pipe(pipe)) is WanPipeline
+    for handle in ((h1, h2) if order == "first-installed-first" else (h2, h1)):
+        handle.restore()
+    pipe.transformer = first_transformer
+    after = {name: snapshot(obj) for name, obj in
+             (("pipe", pipe), ("first", first_transformer), ("second", second_transformer))}
+    assert after == before
+
+
+def test_a_third_party_patch_of_the_pipeline_class_stays_theirs():
+    """A library that patches ``type(pipe).__call__`` after install (ParaAttention's cache does) keeps its patch
+    after restore; it is on the class the library patched, never on a class of this package's."""
+    pipe = tiny_pipe()
+    original_call = WanPipeline.__call__
+    calls = []
+
+    def patched(self, *args, **kwargs):
+        calls.append(1)
+        return original_call(self, *args, **kwargs)
+
+    handle = enable_trtllm_attention(pipe, GATED)
+    type(pipe).__call__ = patched
+    try:
+        assert type(pipe) is WanPipeline
+        request(pipe, 2)
+        handle.restore()
+        assert WanPipeline.__call__ is patched
+        request(pipe, 2)
+        assert len(calls) == 2
+    finally:
+        WanPipeline.__call__ = original_call
+
+
+def test_nothing_keeps_the_pipeline_or_transformer_alive_after_restore():
+    pipe = tiny_pipe()
+    handle = enable_trtllm_attention(pipe, GATED)
+    request(pipe, 3)
+    handle.stats.summary()
+    refs = [weakref.ref(pipe), weakref.ref(pipe.transformer), weakref.ref(pipe.transformer_2)]
+    handle.restore()
+    del pipe
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * 3
+    assert sorted(handle.stats.per_step()) == [0, 1, 2]  # the last run's statistics outlive the objects
