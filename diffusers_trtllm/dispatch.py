@@ -84,8 +84,9 @@ def run_attention(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, v
 
 def _run(call: AttentionCall, query, key, value, scale, valid_lengths) -> torch.Tensor:
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    if call.backend == TORCH_SDPA and call.planned and valid_lengths is None and not call.counting:
-        # TORCH_SDPA's own function outside the op (nothing to count): differentiable and traced by inductor.
+    if (call.backend == TORCH_SDPA and call.planned and valid_lengths is None and not call.counting
+            and call.probe is None):
+        # TORCH_SDPA's own function outside the op (nothing to count or probe): traced by inductor.
         return sdpa_attention(query, key, value, scale, call.causal)
     return torch.ops.diffusers_trtllm.attention(
         query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, call.settings, call.route, scale,

@@ -1,5 +1,6 @@
 """Shared test inputs: tiny Wan transformer calls, relative-error metrics, gate predictions, example loading."""
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -106,3 +107,23 @@ def run_script_under_triton_interpreter(test_file: str, results_path) -> object:
     proc = subprocess.run([sys.executable, test_file, str(results_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(results_path, weights_only=False)
+
+
+@contextlib.contextmanager
+def counted_run(*calls, device="cpu"):
+    """A run of these calls (planned outside a handle, e.g. a processor's unbound calls) that counts, open in this
+    thread while the block runs; yields it (``run.counts[i]``: call ``i``'s counters)."""
+    from diffusers_trtllm.run_state import OWNER, SETTINGS, SITE, Run, RunKey, set_run_here
+
+    key = RunKey()
+    for index, call in enumerate(calls):
+        call.owner, call.index, call.counting = key, index, True
+        call.settings[OWNER], call.settings[SITE] = key.value, index
+    run = Run.start(key.value, calls, torch.device(device), counting=True)
+    for index, call in enumerate(calls):
+        run.settings[index] = call.settings[:SETTINGS]
+    set_run_here(key.value, run)
+    try:
+        yield run
+    finally:
+        set_run_here(key.value, None)

@@ -12,7 +12,7 @@ from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.backends.reference import aligned_sum, fp8_gmma_matmul, reference_attention
 from diffusers_trtllm.quant import SageSemantics, quantize_blocks, quantize_sequence
 
-from helpers import rel_err
+from helpers import counted_run, rel_err
 
 
 def exact_attention(q, k, v, causal=False):
@@ -338,8 +338,8 @@ def test_explicit_threshold_on_a_ragged_batch_gives_each_sequence_lambda_max_len
     q, k, v = (torch.stack([p[i] for p in parts]) for i in range(3))  # [B, S, H, D], valid prefixes of lens
     call = HunyuanVideo15TrtllmAttnProcessor(
         {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": lam}}}).calls["joint_attn"]
-    call.counting = True
-    out = run_attention(call, q, k, v, scale=64 ** -0.5, valid_lengths=torch.tensor(lens))
+    with counted_run(call) as run:
+        out = run_attention(call, q, k, v, scale=64 ** -0.5, valid_lengths=torch.tensor(lens))
     skipped = 0
     for b, n in enumerate(lens):
         expected, s, _ = reference_attention(q[b, :n], k[b, :n], v[b, :n], 64 ** -0.5,
@@ -348,7 +348,7 @@ def test_explicit_threshold_on_a_ragged_batch_gives_each_sequence_lambda_max_len
         assert not out[b, n:].any()  # padded rows attend to nothing
         skipped += int(s)
     assert skipped > 0
-    assert int(call.counts[0]) == skipped and int(call.counts[2]) == 1
+    assert int(run.counts[0, 0]) == skipped and int(run.counts[0, 2]) == 1
 
 
 def test_query_heads_must_be_a_multiple_of_key_heads_for_every_backend():

@@ -1,6 +1,6 @@
-"""Statistics (diffusers_trtllm.stats) at their edges, on planned calls whose counters are filled by hand: what a
-step keeps, counted and uncounted backends in one layer, runs that start from zero, the probe's relative error
-(exact zero outputs included) and the tables, without running a model."""
+"""Statistics (diffusers_trtllm.stats) at their edges, on a run of planned calls whose counters are filled by hand:
+what a step keeps, counted and uncounted backends in one layer, the probe's relative error (exact zero outputs
+included) and the tables, without running a model."""
 
 import math
 
@@ -9,21 +9,38 @@ import torch
 
 from diffusers_trtllm.config import AccuracySpec, AttnQuantSpec, SkipSoftmaxSpec
 from diffusers_trtllm.plan import AttentionCall, CallSite
+from diffusers_trtllm.run_state import Run
 from diffusers_trtllm.stats import AttentionStats, CallRecord, relative_error
 
 
 def planned_call(layer: str, *, skip: float | None = None, quant: AttnQuantSpec | None = None,
                  accuracy: AccuracySpec | None = None, backend: str = "TORCH_REFERENCE") -> AttentionCall:
     skip_spec = None if skip is None else SkipSoftmaxSpec(threshold=skip)
-    call = AttentionCall(CallSite("transformer", layer, "self", "self"), backend, False, quant, skip_spec,
+    return AttentionCall(CallSite("transformer", layer, "self", "self"), backend, False, quant, skip_spec,
                          accuracy=accuracy, counting=True)
-    call.plan(None, 0)
-    return call
 
 
-def add(call: AttentionCall, skipped: int, total: int, counted: bool = True, times: int = 1) -> None:
-    for _ in range(times):  # what the op adds per call: skipped tiles, tiles, one call, whether it counted
-        call.counts += torch.tensor([skipped, total, 1, int(counted)])
+class HandRun:
+    """A run of ``calls`` with its statistics, whose counters the test fills as the op would."""
+
+    def __init__(self, *calls: AttentionCall):
+        self.calls = calls
+        self.run = Run.start(1, calls, torch.device("cpu"), counting=True)
+        self.stats = AttentionStats(self.run)
+        self.plan(0)
+
+    def plan(self, step: int) -> None:
+        for i, call in enumerate(self.calls):
+            row, self.run.step_probed[i] = call.plan_row(None, step, self.run.guard_dropped[i])
+            self.run.settings[i] = torch.tensor(row, dtype=torch.float64)
+
+    def add(self, call: AttentionCall, skipped: int, total: int, counted: bool = True, times: int = 1) -> None:
+        for _ in range(times):  # what the op adds per call: skipped tiles, tiles, one call, whether it counted
+            self.run.counts[self.calls.index(call)] += torch.tensor([skipped, total, 1, int(counted)])
+            self.run.uncounted_calls += 1
+
+    def add_errors(self, call: AttentionCall, sums) -> None:
+        self.run.error_sums[self.calls.index(call)] += torch.tensor(sums, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("error_sq,exact_sq,error", [(0.0, 0.0, 0.0), (1.0, 0.0, math.inf), (1.0, 4.0, 0.5)])
@@ -33,13 +50,13 @@ def test_relative_error_of_an_exact_zero_output(error_sq, exact_sq, error):
 
 def test_a_step_keeps_every_call_of_a_layer_and_zeroes_the_counters():
     skipping, dense, idle = planned_call("a", skip=0.5), planned_call("b"), planned_call("c")
-    stats = AttentionStats([skipping, dense, idle, AttentionCall(CallSite("t", "d", "self", "self"), "X", False,
-                                                                 None, None)])  # not counting: no record
-    stats.start_run()
+    hand = HandRun(skipping, dense, idle)  # idle makes no call: no record
+    stats, add = hand.stats, hand.add
     add(skipping, 1, 4, times=2)
     add(dense, 0, 4)
     stats.close_step(0)
-    assert [c.tolist() for c in (skipping.counts, dense.counts)] == [[0, 0, 0, 0]] * 2
+    assert hand.run.counts.tolist() == [[0, 0, 0, 0]] * 3
+    stats.close_step(0)  # nothing counted since: nothing kept
     add(skipping, 4, 4)
     stats.close_step(1)
     assert stats.records == {
@@ -56,17 +73,14 @@ def test_a_step_keeps_every_call_of_a_layer_and_zeroes_the_counters():
         "| step | modes | sparsity | probed error | worst layer (error) |", "|---:|---|---:|---:|---|",
         "| 0 | 1× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:skip | 0.167 | - | - |",
         "| 1 | 1× TORCH_REFERENCE:skip | 1.000 | - | - |"])
-    stats.start_run()
-    assert stats.records == {} and stats.summary()["sparsity"] is None
-    add(skipping, 1, 4)
-    stats.start_run()  # counts of calls between runs belong to no run
-    assert skipping.counts.tolist() == [0, 0, 0, 0]
+    assert AttentionStats(Run.start(2, (skipping,), torch.device("cpu"), counting=True)).summary()["sparsity"] is None
 
 
 def test_a_backend_that_does_not_count_gives_no_sparsity_but_leaves_the_counted_ones():
     counted, uncounted = planned_call("a", skip=0.5), planned_call("b", skip=0.5, backend="OTHER")
     mixed_counted, mixed_uncounted = planned_call("m", skip=0.5), planned_call("m", skip=0.5, backend="OTHER")
-    stats = AttentionStats([counted, uncounted, mixed_counted, mixed_uncounted])
+    hand = HandRun(counted, uncounted, mixed_counted, mixed_uncounted)
+    stats, add = hand.stats, hand.add
     add(counted, 1, 4)
     add(uncounted, 0, 0, counted=False)
     add(mixed_counted, 3, 4)
@@ -86,8 +100,9 @@ def test_a_backend_that_does_not_count_gives_no_sparsity_but_leaves_the_counted_
 
 def test_a_counted_layer_without_tiles_has_sparsity_0():
     call = planned_call("a", skip=0.5)
-    stats = AttentionStats([call])
-    add(call, 0, 0)
+    hand = HandRun(call)
+    stats = hand.stats
+    hand.add(call, 0, 0)
     stats.close_step(0)
     assert stats.per_layer() == {"transformer.a": 0.0} and stats.per_step() == {0: 0.0}
 
@@ -96,18 +111,20 @@ def test_the_probes_error_is_pooled_over_probed_steps_and_layers_only():
     probe = AccuracySpec(probe_rows=4, probe_every=2)
     a, b = planned_call("a", quant=AttnQuantSpec("int8"), accuracy=probe), planned_call("b", accuracy=probe)
     unprobed = planned_call("c")
-    stats = AttentionStats([a, unprobed, b])
+    hand = HandRun(a, unprobed, b)
+    stats = hand.stats
     for step, (a_sums, b_sums) in enumerate([((1.0, 4.0), (9.0, 4.0)), ((5.0, 5.0), (5.0, 5.0)),
                                               ((0.0, 16.0), (0.0, 0.0))]):
+        hand.plan(step)
         for call in (a, b, unprobed):
-            call.plan(None, step)
-            add(call, 0, 4)
-        a.error_sums += torch.tensor(a_sums, dtype=torch.float64)
-        b.error_sums += torch.tensor(b_sums, dtype=torch.float64)
+            hand.add(call, 0, 4)
+        hand.add_errors(a, a_sums)
+        hand.add_errors(b, b_sums)
         stats.close_step(step)
         if step == 0:
-            assert stats.step_errors() == {a: (1.0, 4.0), b: (9.0, 4.0)}
-    assert [a.error_sums.tolist(), b.error_sums.tolist()] == [[0.0, 0.0]] * 2
+            assert stats.step_errors(0) == {0: (1.0, 4.0), 2: (9.0, 4.0)}
+            assert stats.step_errors(1) == {}  # not the last closed step
+    assert hand.run.error_sums.tolist() == [[0.0, 0.0]] * 3
     records = stats.records
     assert records[(1, "transformer.a", "TORCH_REFERENCE", "sage-int8")].error is None  # step 1 is not probed
     assert records[(0, "transformer.c", "TORCH_REFERENCE", "dense")].error is None
@@ -130,24 +147,26 @@ def test_the_probes_error_is_pooled_over_probed_steps_and_layers_only():
 
 def test_statistics_without_a_probed_call_have_no_error():
     call = planned_call("a")
-    stats = AttentionStats([call])
-    add(call, 0, 4)
+    hand = HandRun(call)
+    stats = hand.stats
+    hand.add(call, 0, 4)
     stats.close_step(0)
-    assert stats.step_errors() == {} and stats.summary()["error"] is None and stats.error_table() == ""
-    assert AttentionStats([]).summary()["sparsity"] is None
+    assert stats.step_errors(0) == {} and stats.summary()["error"] is None and stats.error_table() == ""
+    assert AttentionStats().summary()["sparsity"] is None
 
 
 def test_tables_say_n_a_where_nothing_was_counted_and_list_every_mode_a_probed_layer_ran():
     """A layer whose backend does not count tiles, probed at two steps, with SAGE taken away by the guard after the
     first."""
     call = planned_call("a", quant=AttnQuantSpec("int8"), accuracy=AccuracySpec(), backend="OTHER")
-    stats = AttentionStats([call])
+    hand = HandRun(call)
+    stats = hand.stats
     for step in range(2):
         if step:
-            call.guard_dropped.add("sage")
-        call.plan(None, step)
-        add(call, 0, 0, counted=False)
-        call.error_sums += torch.tensor([1.0, 4.0], dtype=torch.float64)
+            hand.run.guard_dropped[0].add("sage")
+        hand.plan(step)
+        hand.add(call, 0, 0, counted=False)
+        hand.add_errors(call, [1.0, 4.0])
         stats.close_step(step)
     assert stats.table().splitlines()[2:] == [
         "| 0 | 1× OTHER:sage-int8 | n/a | 5.00e-01 | transformer.a (5.00e-01) |",
