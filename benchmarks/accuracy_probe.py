@@ -35,6 +35,7 @@ import torch._dynamo.utils as dynamo_utils
 
 from diffusers_trtllm import enable_trtllm_attention
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttnQuantSpec
+from diffusers_trtllm.run_state import open_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transformer_step import build_transformer, compiled_blocks, first_block_only  # noqa: E402
@@ -92,8 +93,9 @@ def cost_rows(model, run, inputs, config, args) -> dict:
             steps = ({"probe off": 0} if accuracy is None else
                      {"probe on, step not probed": 1, "probe on, probed step": 0})
             for name, step in steps.items():
-                handle.planner.plan_step(None, step)
-                model(**inputs)  # untimed: first-use costs of every block's shapes
+                model(**inputs)  # untimed: first-use costs of every block's shapes; opens the call's run
+                attention_run = open_run(handle.planner.run_key.value)
+                handle.planner.plan_step(attention_run, attention_run.timestep, step)  # the same timestep keeps it
                 rows[name] = statistics.median(timed_calls(model, inputs, args.repeats))
             graphs[label] = dynamo_utils.counters["stats"]["unique_graphs"]
             if accuracy is not None:

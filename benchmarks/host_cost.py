@@ -9,8 +9,8 @@ around it — what a GPU run pays on the host for every attention call while its
   call runs SDPA directly; statistics off and on);
 - the attention function alone: ``dispatch_attention_fn`` (``native``), this package's ``run_attention`` on a
   planned ``TORCH_SDPA`` call (statistics off / on), and the opaque op every other backend runs through
-  (``torch.ops.diffusers_trtllm.attention`` / ``attention_counted`` with ``TORCH_SDPA`` inside), which is what a
-  ``TRTLLM_ATTN`` call pays beyond its kernel.
+  (``torch.ops.diffusers_trtllm.attention`` with ``TORCH_SDPA`` inside; statistics on: counting in an open run),
+  which is what a ``TRTLLM_ATTN`` call pays beyond its kernel.
 
 Each row is the median over ``--repeats`` rounds of ``--calls`` calls, rounds of all rows interleaved.
 
@@ -36,7 +36,10 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor  # no
 
 from diffusers_trtllm import WanTrtllmAttnProcessor, enable_trtllm_attention  # noqa: E402
 from diffusers_trtllm.dispatch import run_attention  # noqa: E402
-from diffusers_trtllm.plan import AttentionCall, CallSite  # noqa: E402
+from diffusers_trtllm.config import AttentionConfig  # noqa: E402
+from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite, HeadLayout  # noqa: E402
+from diffusers_trtllm.run_state import set_run_here  # noqa: E402
+from diffusers_trtllm.steps import TRANSFORMER  # noqa: E402
 from diffusers_trtllm.tiny_pipelines import tiny_wan_transformer  # noqa: E402
 
 TOKENS, HEADS, HEAD_DIM = 16, 2, 16
@@ -52,7 +55,10 @@ def module_cases():
 
     def installed(collect_stats: bool):
         def setup():
-            return enable_trtllm_attention(model, {"default": {"backend": "TORCH_SDPA"}}, collect_stats=collect_stats)
+            handle = enable_trtllm_attention(model, {"default": {"backend": "TORCH_SDPA"}},
+                                             collect_stats=collect_stats)
+            handle.tracker.begin(TRANSFORMER)  # the module's calls count in a run, as inside a transformer call
+            return handle
         return setup
 
     def unbound():
@@ -75,9 +81,15 @@ class _Undo:
 def function_cases():
     q, k, v = (torch.randn(1, TOKENS, HEADS, HEAD_DIM) for _ in range(3))
     site = CallSite("transformer", "blocks.0.attn1", "self_attn", "self")
-    planned = {stats: AttentionCall(site, "TORCH_SDPA", False, None, None, counting=stats) for stats in (False, True)}
+    planner = CallPlanner(AttentionConfig({"backend": "TORCH_SDPA"}), collect_stats=True)
+    planner.add_site(site, WanTrtllmAttnProcessor.ROLES["self_attn"], HeadLayout(HEADS, HEADS, HEAD_DIM))
+    planner.choose_backends(torch.device("cpu"), torch.float32)
+    counted = planner.calls[site]
+    set_run_here(planner.run_key.value, planner.new_run())  # statistics on: calls count in an open run
+    planned = {False: AttentionCall(site, "TORCH_SDPA", False, None, None), True: counted}
     op_args = (q, k, v, None, planned[False].settings, "TORCH_SDPA", HEAD_DIM ** -0.5, False, "", False, 128, 128,
                True)
+    counted_args = (*op_args[:4], counted.settings, *op_args[5:])
     return [
         ("function: dispatch_attention_fn (native)",
          None, lambda: dispatch_attention_fn(q, k, v, backend=AttentionBackendName.NATIVE)),
@@ -86,7 +98,7 @@ def function_cases():
         ("function: the opaque op (TORCH_SDPA inside), statistics off",
          None, lambda: torch.ops.diffusers_trtllm.attention(*op_args)),
         ("function: the opaque op (TORCH_SDPA inside), statistics on",
-         None, lambda: torch.ops.diffusers_trtllm.attention_counted(*op_args)),
+         None, lambda: torch.ops.diffusers_trtllm.attention(*counted_args)),
     ]
 
 

@@ -219,7 +219,7 @@ def installed(case: Case, config) -> tuple[contextlib.AbstractContextManager, Ca
     """Install ``config`` on the case's layer; returns the context to run in and what the plan runs."""
     if case.transformer is not None:
         handle = enable_trtllm_attention(case.transformer, config, collect_stats=False)
-        return handle, lambda: ", ".join(f"{role}: {call.backend}:{call.current_mode()}"
+        return handle, lambda: ", ".join(f"{role}: {call.backend}:{call.mode_of(call.settings)}"
                                          for role, call in case.attn.processor.calls.items())
     processor = case.processor_class(config)
     case.attn.set_processor(processor)
@@ -348,7 +348,7 @@ def bench_gen_full(case: Case, device: torch.device, warmup: int, repeats: int, 
                 fn = fn_or_config
                 if not ran:  # the layer's planned gen_full call, as its processor hands it to the op
                     call = case.attn.processor.calls["gen_full"]
-                    ran = f"gen_full: {call.backend}:{call.current_mode()}"
+                    ran = f"gen_full: {call.backend}:{call.mode_of(call.settings)}"
                     fn = lambda call=call: [run_attention(call, q, k, v)]  # noqa: E731
                 row.ran = ran
                 reference = measure(row, fn, reference, fp32_reference, device, warmup, repeats)

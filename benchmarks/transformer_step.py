@@ -200,7 +200,7 @@ def what_ran(handle) -> str:
     """The plan's backend and mode per role (with its number of layers), or diffusers' own processors."""
     if handle is None:
         return "diffusers"
-    per_role = Counter(f"{site.role}: {call.backend}:{call.current_mode()}"
+    per_role = Counter(f"{site.role}: {call.backend}:{call.mode_of(call.settings)}"
                        for site, call in handle.planner.calls.items())
     return ", ".join(f"{what} in {n} layer{'s' * (n != 1)}" for what, n in per_role.items())
 

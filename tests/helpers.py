@@ -110,20 +110,38 @@ def run_script_under_triton_interpreter(test_file: str, results_path) -> object:
 
 
 @contextlib.contextmanager
-def counted_run(*calls, device="cpu"):
-    """A run of these calls (planned outside a handle, e.g. a processor's unbound calls) that counts, open in this
-    thread while the block runs; yields it (``run.counts[i]``: call ``i``'s counters)."""
+def op_run(*settings: torch.Tensor, calls=None, device="cpu"):
+    """A counting run whose site ``i`` runs ``settings[i]`` (a call's own settings, given the run's key and site
+    ``i`` here), open in this thread while the block runs; yields it (``run.counts[i]``: site ``i``'s counters,
+    ``run.error_sums[i]``: its probe's sums)."""
     from diffusers_trtllm.run_state import OWNER, SETTINGS, SITE, Run, RunKey, set_run_here
 
     key = RunKey()
-    for index, call in enumerate(calls):
-        call.owner, call.index, call.counting = key, index, True
-        call.settings[OWNER], call.settings[SITE] = key.value, index
-    run = Run.start(key.value, calls, torch.device(device), counting=True)
-    for index, call in enumerate(calls):
-        run.settings[index] = call.settings[:SETTINGS]
+    run = Run.start(key.value, calls if calls is not None else (None,) * len(settings), torch.device(device),
+                    counting=True)
+    for index, own in enumerate(settings):
+        own[OWNER], own[SITE] = key.value, index
+        run.settings[index] = own[:SETTINGS]
     set_run_here(key.value, run)
     try:
         yield run
     finally:
         set_run_here(key.value, None)
+
+
+@contextlib.contextmanager
+def counted_run(*calls, device="cpu"):
+    """A counting run of these calls (planned outside a handle, e.g. a processor's unbound calls), open in this
+    thread while the block runs; yields it (``run.counts[i]``: call ``i``'s counters)."""
+    for index, call in enumerate(calls):
+        call.index, call.counting = index, True
+    with op_run(*(call.settings for call in calls), calls=calls, device=device) as run:
+        yield run
+
+
+def counted_op(*args):
+    """``torch.ops.diffusers_trtllm.attention(*args)`` in a counting run of its own (its ``settings``, ``args[4]``,
+    are the run's one site): (output, the call's counts, its probe's sums)."""
+    with op_run(args[4]) as run:
+        out = torch.ops.diffusers_trtllm.attention(*args)
+    return out, run.counts[0], run.error_sums[0]

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusers_trtllm import Cosmos3TrtllmAttnProcessor, enable_trtllm_attention
 from diffusers_trtllm.dispatch import BACKEND, set_dispatch_config
-from diffusers_trtllm.install import read_timestep_arguments
+from diffusers_trtllm.steps import read_timestep_arguments
 from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_pipeline, tiny_cosmos3_transformer
 
 DENSE_SDPA = {"default": {"backend": "TORCH_SDPA"}}

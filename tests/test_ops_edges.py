@@ -12,17 +12,16 @@ import warnings
 import pytest
 import torch
 
-from diffusers_trtllm import ops
+from diffusers_trtllm import ops, run_state
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.errors import BackendUnavailableError
 
+from helpers import counted_op as counted
 from test_semantics_edges import positional_qkv
 
 ATTENTION = torch.ops.diffusers_trtllm.attention
-COUNTED = torch.ops.diffusers_trtllm.attention_counted
-PROBED = torch.ops.diffusers_trtllm.attention_probed
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 
 
@@ -47,8 +46,9 @@ def exact_attention(q, k, v, scale, causal=False, valid_lengths=None):
 def op_args(q, k, v, valid_lengths=None, *, skip=0.0, backend="TORCH_REFERENCE", scale=0.3, causal=False,
             quant="", per_kv_len=False, planned=True, tile=(128, 128)):
     """The op's arguments in its order."""
-    return (q, k, v, valid_lengths, ops.initial_settings(skip), backend, scale, causal, quant, per_kv_len, *tile,
-            planned)
+    return (q, k, v, valid_lengths, run_state.initial_settings(skip), backend, scale, causal, quant, per_kv_len,
+            *tile, planned)
+
 
 
 def qkv(batch=2, sq=5, skv=5, hq=2, hkv=2, dim=8, seed=0, dtype=torch.float64):
@@ -73,11 +73,12 @@ def test_valid_lengths_confine_each_sample_to_its_prefix_and_zero_its_padding(ba
 
 
 def test_a_calls_settings_start_dense_with_sage_on_and_not_probed_in_float64():
-    """The settings tensor's contract (module docstring): float64 on the host, so a skip factor keeps its digits."""
-    settings = ops.initial_settings()
+    """The settings tensor's contract (module docstring): float64 on the host, so a skip factor keeps its digits;
+    no run key until a handle plans the call."""
+    settings = run_state.initial_settings()
     assert settings.dtype == torch.float64 and settings.device.type == "cpu"
-    assert settings[[ops.SKIP, ops.SAGE, ops.PROBE]].tolist() == [0.0, 1.0, 0.0]
-    assert ops.initial_settings(2822.62 * 0.1)[ops.SKIP].item() == 2822.62 * 0.1
+    assert settings[[run_state.SKIP, run_state.SAGE, run_state.PROBE, run_state.OWNER]].tolist() == [0, 1, 0, 0]
+    assert run_state.initial_settings(2822.62 * 0.1)[run_state.SKIP].item() == 2822.62 * 0.1
 
 
 # --- the skip value: FlashInfer's factor, or λ per key length ---------------------------------------------------
@@ -91,8 +92,8 @@ def test_the_skip_value_is_the_factor_unless_it_is_lambda_per_key_length(per_kv_
     q, k = positional_qkv(torch.linspace(0, skv - 1, 128)), positional_qkv(torch.arange(skv))
     v = torch.randn(skv, 2, 32)
     value = lam if per_kv_len else lam * skv
-    out, counts = COUNTED(*op_args(q[None], k[None], v[None], skip=value, scale=scale, per_kv_len=per_kv_len,
-                                   tile=(64, 64)))
+    out, counts, _ = counted(*op_args(q[None], k[None], v[None], skip=value, scale=scale, per_kv_len=per_kv_len,
+                                      tile=(64, 64)))
     expected, skipped, total = reference_attention(q, k, v, scale, skip_lambda=lam, tile=(64, 64))
     assert 0 < skipped < total
     assert torch.equal(out[0], expected) and counts.tolist() == [int(skipped), total, 1, 1]
@@ -101,13 +102,12 @@ def test_the_skip_value_is_the_factor_unless_it_is_lambda_per_key_length(per_kv_
 # --- the accuracy probe's sums: float64 on q's device, as the fake says --------------------------------------
 
 @pytest.mark.parametrize("rows", [0, 3])
-def test_the_probes_sums_are_float64_also_at_a_step_not_probed(rows):
-    """``attention_probed``'s third output is float64 ``[2]`` whether the step is probed or not (zeros when not):
-    a traced graph takes its dtype from the fake, so eager must match it."""
+def test_the_probes_sums_are_float64_and_added_only_at_a_probed_step(rows):
+    """The run's probe sums are float64 ``[2]`` per site; the op adds to them at a step with probe rows only."""
     q, k, v = qkv(dtype=torch.float32)
     args = list(op_args(q, k, v, skip=0.0))
-    args[4][ops.PROBE] = rows
-    errors = PROBED(*args)[2]
+    args[4][run_state.PROBE] = rows
+    errors = counted(*args)[2]
     assert errors.dtype == torch.float64 and errors.shape == (2,)
     assert (errors[1] > 0).item() == (rows > 0) and (errors[0] >= 0).item()
 
@@ -122,14 +122,15 @@ def gradients(fn, q, k, v):
     return torch.autograd.grad((out * weights).sum(), inputs)
 
 
-@pytest.mark.parametrize("op", [ATTENTION, COUNTED, PROBED], ids=["attention", "counted", "probed"])
+@pytest.mark.parametrize("in_run", [False, True], ids=["outside-a-run", "counted-run"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gradient_is_dense_attentions_with_the_calls_scale_and_causality(op, causal):
+def test_gradient_is_dense_attentions_with_the_calls_scale_and_causality(in_run, causal):
     """4 queries on 7 keys: a causal query sees the keys up to its own position from the end (bottom-right)."""
     q, k, v = qkv(sq=4, skv=7)
 
     def through_op(q, k, v):
-        return op(*op_args(q, k, v, causal=causal))[0] if op is not ATTENTION else op(*op_args(q, k, v, causal=causal))
+        args = op_args(q, k, v, causal=causal)
+        return counted(*args)[0] if in_run else ATTENTION(*args)
 
     for got, expected in zip(gradients(through_op, q, k, v),
                              gradients(lambda *x: exact_attention(*x, 0.3, causal=causal), q, k, v)):

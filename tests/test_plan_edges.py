@@ -16,7 +16,7 @@ from diffusers_trtllm.backends import trtllm as trtllm_backend
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV, KernelPlan, VarlenQKV, get_backend
 from diffusers_trtllm.calibration.curve import SkipCalibration
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttnQuantSpec
-from diffusers_trtllm.ops import PROBE
+from diffusers_trtllm.run_state import PROBE, Run
 from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite
 from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_transformer, tiny_wan22_pipeline
 
@@ -125,23 +125,28 @@ def test_the_dispatcher_refuses_what_needs_a_pipeline_naming_it(spec, what, disp
 
 
 def probed_call(layer: str, max_error: float | None) -> AttentionCall:
-    call = AttentionCall(CallSite("transformer", layer, "self", "self"), "TORCH_REFERENCE", False, INT8, None,
+    return AttentionCall(CallSite("transformer", layer, "self", "self"), "TORCH_REFERENCE", False, INT8, None,
                          accuracy=AccuracySpec(max_error=max_error), counting=True)
-    call.plan(None, 0)
-    return call
+
+
+def planned_run(*calls: AttentionCall, step: int = 0) -> Run:
+    """A run of ``calls`` planned at ``step`` (no timestep), as a planner plans one."""
+    planner = CallPlanner(AttentionConfig())
+    planner.calls = {call.site: call for call in calls}
+    run = planner.new_run()
+    planner.plan_step(run, None, step)
+    return run
 
 
 @pytest.mark.parametrize("error_sq,exact_sq,trips", [(1.0, 4.0, False), (1.0, 3.99, True)],
                          ids=["at-the-bound", "past-it"])
 def test_the_guard_trips_only_past_its_bound_for_every_layer_it_reads(error_sq, exact_sq, trips):
     """The bound 0.5 itself is within it; a layer within it, or without a bound, leaves the next layer guarded."""
-    within, unbounded, guarded = probed_call("a", 0.5), probed_call("b", None), probed_call("c", 0.5)
-    planner = CallPlanner(AttentionConfig())
+    run = planned_run(probed_call("a", 0.5), probed_call("b", None), probed_call("c", 0.5))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        planner.guard(0, {within: (0.0, 1.0), unbounded: (4.0, 1.0), guarded: (error_sq, exact_sq)})
-    assert within.guard_dropped == set() and unbounded.guard_dropped == set()
-    assert guarded.guard_dropped == ({"sage"} if trips else set())
+        CallPlanner.guard(run, 0, {0: (0.0, 1.0), 1: (4.0, 1.0), 2: (error_sq, exact_sq)})
+    assert run.guard_dropped == [set(), set(), {"sage"} if trips else set()]
     assert [str(w.message) for w in caught] == (
         ["diffusers_trtllm: transformer.c (self attention, sage-int8): probed error 0.501 at step 0 exceeds the bound "
          "accuracy.max_error=0.5; it runs without SAGE for the rest of this pipeline call"] if trips else [])
@@ -150,12 +155,11 @@ def test_the_guard_trips_only_past_its_bound_for_every_layer_it_reads(error_sq, 
 def test_the_guard_reports_a_dense_layer_above_its_bound_once():
     dense = AttentionCall(CallSite("transformer", "d", "self", "self"), "TORCH_REFERENCE", False, None, None,
                           accuracy=AccuracySpec(max_error=0.5), counting=True)
-    dense.plan(None, 0)
-    planner = CallPlanner(AttentionConfig())
+    run = planned_run(dense)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        planner.guard(3, {dense: (4.0, 1.0)})
-        planner.guard(4, {dense: (4.0, 1.0)})
+        CallPlanner.guard(run, 3, {0: (4.0, 1.0)})
+        CallPlanner.guard(run, 4, {0: (4.0, 1.0)})
     assert [str(w.message) for w in caught] == [
         "diffusers_trtllm: transformer.d (self attention, dense): probed error 2 at step 3 exceeds the bound "
         "accuracy.max_error=0.5; it ran dense, so there is nothing to drop (reported once per pipeline call)"]
@@ -166,8 +170,8 @@ def test_only_a_probed_step_hands_the_op_probe_rows():
                          accuracy=AccuracySpec(probe_rows=4, probe_every=2), counting=True)
     rows = []
     for step in range(3):
-        call.plan(None, step)
-        rows.append((call.step_probed, call.settings[PROBE].item()))
+        run = planned_run(call, step=step)
+        rows.append((run.step_probed[0], run.settings[0, PROBE].item()))
     assert rows == [(True, 4.0), (False, 0.0), (True, 4.0)]
 
 
@@ -222,14 +226,14 @@ def test_a_calibration_probe_sees_the_calls_that_would_skip_even_where_auto_drop
     planner = handle.planner
     assert {call.skip for call in planner.calls.values()} == {None}
     probing = []
-    planner.plan_step(0.5, 0)
-    planner.set_probe(lambda *args, **kwargs: None)  # probing from the step in progress on
-    probing.append({call.probing for call in planner.calls.values()})
-    for timestep in (0.8, 0.5):
-        planner.plan_step(timestep, 0)
-        probing.append({call.probing for call in planner.calls.values()})
+    run = planner.new_run()
+    planner.set_probe(lambda *args, **kwargs: None)  # probing from the next planned step on
+    for timestep in (0.5, 0.8, 0.5):
+        planner.plan_step(run, timestep, 0)
+        probing.append(set(run.probing))
     planner.set_probe(None)
-    probing.append({call.probing for call in planner.calls.values()})
+    planner.plan_step(run, 0.5, 0)
+    probing.append(set(run.probing))
     handle.restore()
     assert probing == [{True}, {False}, {True}, {False}]
 
@@ -256,7 +260,7 @@ def test_tile_counts_are_kept_as_integers():
     with handle, torch.no_grad():
         model(**wan_inputs(batch=1, frames=1, height=8, width=8))
         records = handle.stats.records
-    assert {call.counts.dtype for call in handle.planner.calls.values()} == {torch.int64}
+    assert handle.planner.new_run().counts.dtype == torch.int64
     fields = {type(getattr(record, name)) for record in records.values() for name in ("calls", "skipped", "total")}
     assert fields == {int}
 
@@ -357,7 +361,7 @@ def test_a_trtllm_site_on_hopper_runs_its_dense_steps_on_the_dense_kernel_chosen
     monkeypatch.setattr(trtllm_backend, "gpu_arch", lambda device: "sm_90")
     monkeypatch.setattr(trtllm_backend, "cudnn_unavailable_reason", lambda: None)
     handle = enable_trtllm_attention(tiny_wan(), {"default": {"backend": "TRTLLM_ATTN", "dense_kernel": "cudnn"}})
-    routes = {(call.route, call.current_mode()) for call in handle.planner.calls.values()}
+    routes = {(call.route, call.mode_of(call.settings)) for call in handle.planner.calls.values()}
     handle.restore()
     assert routes == {("TRTLLM_ATTN+cudnn", "dense[cudnn]")}
 

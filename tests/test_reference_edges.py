@@ -14,11 +14,11 @@ from diffusers_trtllm.backends.reference import aligned_sum, fp8_gmma_matmul, re
 from diffusers_trtllm.backends.trtllm import fmha_v2_sage_semantics, sage_semantics
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.quant import SageSemantics, batch_statistics
+from diffusers_trtllm.run_state import initial_settings
 
-from helpers import rel_err
+from helpers import counted_op, rel_err
 from test_semantics_edges import positional_qkv
 
-COUNTED = torch.ops.diffusers_trtllm.attention_counted
 
 
 def positional(n: int):
@@ -37,8 +37,8 @@ def test_sage_on_the_cpu_samples_query_tiles_by_the_batchs_lengths_and_query_hea
     q, k, v = (torch.randn(1, s, heads, dim, generator=g) for _ in range(3))
     q[:, :, 0] *= 3  # head 0 peakier: it skips more than head 1
     quant = AttnQuantSpec("int8")
-    settings = ops.initial_settings(factor)
-    out, counts = COUNTED(q, k, v, None, settings, "TORCH_REFERENCE", dim ** -0.5, False, ops.encode_quant(quant),
+    settings = initial_settings(factor)
+    out, counts, _ = counted_op(q, k, v, None, settings, "TORCH_REFERENCE", dim ** -0.5, False, ops.encode_quant(quant),
                           False, *tile, True)
     semantics = sage_semantics(quant, "cpu", (s,), (s,), heads, tile)
     assert semantics.skip_sample == (2, 0.3)
@@ -56,7 +56,7 @@ def test_sage_on_the_cpu_samples_by_the_query_tiles_of_the_calls_tile():
     q, k, v = (torch.randn(1, s, heads, dim, generator=g) for _ in range(3))
     q[:, :, ::2] *= 3
     quant = AttnQuantSpec("int8")
-    out, counts = COUNTED(q, k, v, None, ops.initial_settings(factor), "TORCH_REFERENCE", dim ** -0.5, False,
+    out, counts, _ = counted_op(q, k, v, None, initial_settings(factor), "TORCH_REFERENCE", dim ** -0.5, False,
                           ops.encode_quant(quant), False, *tile, True)
     semantics = sage_semantics(quant, "cpu", (s,), (s,), heads, tile)
     assert semantics.skip_sample == (4, 0.3)
@@ -123,7 +123,7 @@ def test_a_sample_without_valid_tokens_gets_zeros(skip_factor):
     with and without Skip-Softmax."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 2, 16, generator=g)
-    out = torch.ops.diffusers_trtllm.attention(q, q, q, torch.tensor([0, 6]), ops.initial_settings(skip_factor),
+    out = torch.ops.diffusers_trtllm.attention(q, q, q, torch.tensor([0, 6]), initial_settings(skip_factor),
                                                "TORCH_REFERENCE", 0.25, False, "", False, 128, 128, True)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     expected = reference_attention(q[1], q[1], q[1], 0.25, skip_lambda=skip_factor / 6)[0]
