@@ -64,10 +64,8 @@ class RunTracker:
 
     # --- runs and steps -----------------------------------------------------------------------------------------
     def begin(self, source: str) -> Run:
-        """A new run in this thread or task (ending the one open here): counters zeroed, step 0 at no timestep."""
-        previous = open_run(self.key)
-        if previous is not None:
-            self.end(previous)
+        """A new run in this thread or task, in place of the one here: counters zeroed, step 0 at no timestep. The
+        run it replaces is left as it is (a task copies its creator's context: that run may be its creator's)."""
         run = self.planner.new_run()
         run.data.update(stats=AttentionStats(run), source=source, names=set(), published_step=False, fresh=True)
         set_run_here(self.key, run)
@@ -150,8 +148,12 @@ class RunTracker:
                 if t != run.timestep:
                     self.planner.plan_step(run, t, run.step)
             return
-        t = None if raw is None else self._normalized(raw)
-        if run is None or t is None or run.timestep is None or t > run.timestep:
+        if raw is None:  # no timestep: the call belongs to the run in progress
+            if run is None:
+                self.advance(self.begin(TRANSFORMER), 0, None)
+            return
+        t = self._normalized(raw)
+        if run is None or run.timestep is None or t > run.timestep:
             run = self.begin(TRANSFORMER)
             self.advance(run, 0, t)
         elif t != run.timestep:
