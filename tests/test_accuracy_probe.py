@@ -25,7 +25,6 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 import test_host_sync
 from diffusers_trtllm import AttentionConfig, AttentionConfigError, WanTrtllmAttnProcessor, enable_trtllm_attention
 from diffusers_trtllm.dispatch import set_dispatch_config
-from diffusers_trtllm.ops import attention_probed
 from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline
 
 from helpers import LoopPipeline, cosmos3_transformer_call, tiny_wan, wan_inputs
@@ -90,8 +89,8 @@ def test_the_probed_error_equals_an_offline_computation_of_the_same_rows(name, m
     else:
         model, inputs = cosmos3_transformer_call()
     calls = []
-    original = torch.ops.diffusers_trtllm.attention_probed
-    monkeypatch.setattr(torch.ops.diffusers_trtllm, "attention_probed",
+    original = torch.ops.diffusers_trtllm.attention
+    monkeypatch.setattr(torch.ops.diffusers_trtllm, "attention",
                         lambda *args: calls.append((current[0], args, out := original(*args))) or out)
     config = {"default": {"backend": "TORCH_REFERENCE", "quant": {"dtype_qk": "int8"},
                           "accuracy": {"probe_rows": rows}}}
@@ -106,7 +105,7 @@ def test_the_probed_error_equals_an_offline_computation_of_the_same_rows(name, m
             hook.remove()
         reported = handle.stats.errors()
     expected: dict = {}
-    for layer, args, (out, _, _) in calls:
+    for layer, args, out in calls:
         q, k, v, valid_lengths, _, _, scale, causal = args[:8]
         assert valid_lengths is None
         error_sq, exact_sq = offline_sums(q, k, v, out, rows, scale, causal)
@@ -284,15 +283,12 @@ def test_the_whole_model_traces_as_one_graph_with_the_probe_on():
 def test_no_host_read_on_the_attention_path_with_the_probe_on(probed_step, monkeypatch):
     """test_host_sync's detector, watching inside the probed op: the probe's rows are made on the device and its
     sums stay there, at probed steps and others."""
-    monkeypatch.setattr(test_host_sync, "ATTENTION_OP", torch.ops.diffusers_trtllm.attention_probed.default)
-    monkeypatch.setattr(test_host_sync, "attention_implementation", attention_probed._init_fn)
     model = tiny_wan()
     config = {"default": dict(FP8_SAGE, accuracy={"probe_rows": 8, "probe_every": 1 if probed_step else 2})}
     with enable_trtllm_attention(model, config) as handle, torch.no_grad():
-        if not probed_step:
-            handle.planner.plan_step(None, 1)  # a step the probe skips
+        context = model.cache_context("cond", step_index=1, sigma=0.5)  # step 1: probed at probe_every 1 only
         reads = test_host_sync.HostReads()
-        with reads:
+        with context, reads:
             model(**wan_inputs(batch=1, frames=1, height=8, width=8))
         assert reads.reads == []
         assert bool(handle.stats.errors()) == probed_step

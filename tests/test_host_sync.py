@@ -1,5 +1,7 @@
 """No host read on the per-call attention path: what the GPU computes is never waited for by the host between
-denoising steps (HunyuanVideo 1.5: exactly one read per transformer call, the text lengths).
+denoising steps (HunyuanVideo 1.5: exactly one read per transformer call, the text lengths). The transformer calls
+run inside ``cache_context(...)`` as diffusers' pipelines make them; a call outside any pipeline reads its
+timestep argument once (the run tracker's channel for bare transformers), which is counted apart.
 
 Detection on a CPU (:class:`HostReads`). A host read is whatever brings tensor data into Python or onto the host:
 
@@ -16,8 +18,8 @@ reads of its own, e.g. HunyuanVideo 1.5's ``if torch.all(image_embeds == 0)``; t
 the attention op (``torch.ops.diffusers_trtllm.attention``) reaches the dispatcher, its Python body is run with
 both modes active, so the backend's code is watched too.
 
-Exempt, by design: reads of host tensors. The op's ``skip_value`` (the planner's 0-dim float64 CPU tensor, filled
-once per step) and ``valid_lengths`` (HunyuanVideo's int CPU tensor of text lengths) are host tensors by the op's
+Exempt, by design: reads of host tensors. The op's ``settings`` (a float64 CPU tensor; the run's, filled once per
+step, are on the CPU too) and ``valid_lengths`` (HunyuanVideo's int CPU tensor of text lengths) are host tensors by the op's
 contract, so reading them never waits for a device; the op checks that contract here (both must be on the CPU).
 Everything else read on the path would be a device sync on a GPU.
 """
@@ -33,8 +35,8 @@ from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.ops import attention, packed_problem
 from diffusers_trtllm.plan import CallPlanner
-from diffusers_trtllm.stats import AttentionStats
-from diffusers_trtllm.steps import DenoisingClock
+from diffusers_trtllm.run_state import OWNER, open_run
+from diffusers_trtllm.steps import RunTracker
 from diffusers_trtllm.tiny_pipelines import tiny_hunyuan_video15_transformer
 
 from helpers import cosmos3_transformer_call, tiny_wan, wan_inputs
@@ -81,9 +83,10 @@ class HostReads:
 
     def run_op(self, args, kwargs):
         """Run the attention op's implementation with both watches active inside it, its host arguments exempt."""
-        valid_lengths, skip_value = args[3], args[4]
-        host_args = [t for t in (valid_lengths, skip_value) if t is not None]
-        assert all(t.device.type == "cpu" for t in host_args), "the op's host arguments must live on the CPU"
+        valid_lengths, settings = args[3], args[4]
+        run = open_run(int(settings[OWNER]))
+        host_args = [t for t in (valid_lengths, settings, run.settings if run else None) if t is not None]
+        assert all(t.device.type == "cpu" for t in host_args), "the op's host tensors must live on the CPU"
         added = {_storage(t) for t in host_args} - self._exempt
         self._exempt |= added
         try:
@@ -149,7 +152,7 @@ def test_the_detector_counts_package_reads_only_and_spares_exempt_tensors():
             read()
         assert reads.reads == []  # made here, not by diffusers_trtllm
         packed_problem(q, q, q, lengths)  # Tensor.tolist, outside the op: counted
-        DenoisingClock(CallPlanner(AttentionConfig()), AttentionStats(), 1000, gated=True).observe(
+        RunTracker(CallPlanner(AttentionConfig()), 1000, gated=True).on_transformer_call(
             torch.tensor(500.0))  # float()
     assert [r.split(":")[0] for r in reads.reads] == ["tolist", "aten._local_scalar_dense.default"], reads.reads
     reads.reads.clear()
@@ -184,10 +187,20 @@ def test_no_host_read_on_the_attention_path(name, config, cosmos3_call, monkeypa
         spec = dict(CONFIGS[config], per_role={"und_causal": {"backend": "TORCH_SDPA"}})
     with enable_trtllm_attention(model, spec) as handle, torch.no_grad():
         reads = HostReads()
-        with reads:
+        with reads, model.cache_context("cond", step_index=0, sigma=0.5):
             model(**inputs)
         assert reads.reads == []
-        assert any(call.counts[2] > 0 for call in handle.planner.calls.values())  # the watched path ran
+        assert handle.stats.records  # the watched path ran and counted
+
+
+def test_a_transformer_call_outside_a_pipeline_reads_its_timestep_once():
+    model, inputs = tiny_wan(), wan_inputs(batch=1, frames=1, height=8, width=8)
+    with enable_trtllm_attention(model, CONFIGS["sdpa"]), torch.no_grad():
+        reads = HostReads()
+        with reads:
+            model(**inputs)
+            model(**inputs)
+    assert [r.split(":")[1].strip() for r in reads.reads] == ["steps.py"] * 2, reads.reads
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -198,8 +211,9 @@ def test_hunyuan_reads_the_text_lengths_once_per_transformer_call(config, monkey
     with enable_trtllm_attention(model, CONFIGS[config]), torch.no_grad():
         reads = HostReads()
         with reads:
-            model(**inputs)
-            model(**inputs)
+            for name in ("pred_cond", "pred_uncond"):  # HunyuanVideo 1.5's pipeline publishes names only
+                with model.cache_context(name):
+                    model(**inputs)
     assert len(reads.reads) == 2 and all(r.startswith("cpu: processors/hunyuan_video15.py") for r in reads.reads), \
         reads.reads
 
@@ -211,12 +225,14 @@ def test_no_device_sync_in_a_transformer_call_on_the_gpu(config):
     inputs = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
               for k, v in wan_inputs(batch=1, frames=1, height=8, width=8).items()}
     with enable_trtllm_attention(model, config), torch.no_grad():
-        model(**inputs)  # first call: kernels load and per-shape choices are made
+        with model.cache_context("cond", step_index=0, sigma=0.5):
+            model(**inputs)  # first call: kernels load and per-shape choices are made
         torch.cuda.synchronize()
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            model(**inputs)
+            with model.cache_context("cond", step_index=1, sigma=0.4):
+                model(**inputs)
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.synchronize()
