@@ -4,7 +4,8 @@ Layout: ``config`` (what the user asked) -> ``plan`` (what runs for each call si
 opaque op for ``torch.compile``) -> ``backends`` -> ``kernels`` (plain-tensor kernel functions, importing nothing
 above them). ``processors`` subclass diffusers' processors and hand each attention call, with its role's planned
 call, to ``dispatch`` (which is also the ``"trtllm"`` backend of diffusers' attention dispatcher); ``install``
-plans and installs them on a pipeline; ``steps`` is a handle's denoising clock, following its pipeline's calls;
+plans and installs them on a pipeline; ``run_state`` holds each call's run (per thread or task) and ``steps`` finds
+runs and steps from what the pipeline publishes;
 ``stats`` keeps what ran; ``calibration`` reads, writes and fits Skip-Softmax curves; ``skip_calibration``
 (:func:`calibrate`) runs a pipeline to make them.
 """

@@ -94,10 +94,12 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
     precedence), its backend on the GPU the pipeline runs on (an explicit backend that cannot run a layer's
     attention raises now; ``auto`` that must drop Skip-Softmax or SAGE warns once), the calibrations
     (``calibrations`` maps a component to its curve; components whose ``config.json`` carries a
-    ``sparse_attention_config`` are read too). The timestep gate and λ are planned once per denoising step from
-    the scheduler the pipeline has at each call (replacing ``pipe.scheduler`` is followed); statistics keep the
-    current pipeline call. Install after moving the pipeline to its device and dtype. Context parallelism enabled
-    before or after installing is honoured (Ulysses).
+    ``sparse_attention_config`` are read too). The timestep gate and λ are planned once per denoising step of
+    each pipeline call, which is a run of its own (copies, ``from_pipe`` twins and threads each run their own);
+    statistics keep the calling thread's current or last run. Install changes the transformers' processors and
+    adds one removable hook and one forward pre-hook to each; the pipeline keeps its class. Install after moving
+    the pipeline to its device and dtype. Context parallelism enabled before or after installing is honoured
+    (Ulysses).
     """
     transformers = pipeline_transformers(pipe)
     if not transformers:
