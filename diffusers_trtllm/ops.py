@@ -37,7 +37,7 @@ from .backends.sdpa import sdpa_attention
 from .backends.trtllm import dense_route
 from .config import TRTLLM_ATTN, AttnQuantSpec
 from .errors import warn_user
-from .run_state import COUNTS, OWNER, SETTINGS, SITE, open_run
+from .run_state import OWNER, SETTINGS, SITE, open_run
 
 
 def encode_quant(quant: AttnQuantSpec | None) -> str:
@@ -54,14 +54,15 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
     return AttnQuantSpec.from_dict(json.loads(text)) if text else None
 
 
-def _counts(result, device) -> torch.Tensor:
-    counts = torch.zeros(COUNTS, dtype=torch.int64, device=device)
-    counts[2] = 1  # fills on the device: no copy from the host
-    if result.skipped_tiles is not None:
-        counts[0] = result.skipped_tiles
-        counts[1] = result.total_tiles
-        counts[3] = 1
-    return counts
+def _count(counts: torch.Tensor, result) -> None:
+    """Add one call's counts to a site's counters ``[skipped, tiles, calls, calls that counted tiles]``, in place
+    on the device (no copy from the host)."""
+    if result.skipped_tiles is None:
+        counts[2] += 1
+        return
+    counts[0] += result.skipped_tiles
+    counts[1] += result.total_tiles
+    counts[2:] += 1
 
 
 @torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
@@ -96,7 +97,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
     result = run_backend(backend, qkv, plan)
     if counting:
         run.uncounted_calls += 1
-        run.counts[site] += _counts(result, q.device)
+        _count(run.counts[site], result)
         if probe_rows:
             run.error_sums[site] += probe_error_sums(qkv, result.out, int(probe_rows), scale, causal)
     if rows is None:

@@ -83,11 +83,14 @@ class Run:
     @classmethod
     def start(cls, key: int, calls, device: torch.device, counting: bool) -> "Run":
         sites = len(calls)
-        return cls(key, tuple(calls), initial_settings()[:SETTINGS].repeat(sites, 1),
-                   torch.zeros(sites, COUNTS, dtype=torch.int64, device=device),
-                   torch.zeros(sites, 2, dtype=torch.float64, device=device), counting,
-                   probing=[False] * sites, guard_dropped=[set() for _ in range(sites)],
-                   step_probed=[False] * sites)
+        # ordinary tensors even when the run starts inside torch.inference_mode (vLLM-Omni calls pipelines there):
+        # the statistics update them in place outside it too
+        with torch.inference_mode(False):
+            settings = initial_settings()[:SETTINGS].repeat(sites, 1)
+            counts = torch.zeros(sites, COUNTS, dtype=torch.int64, device=device)
+            error_sums = torch.zeros(sites, 2, dtype=torch.float64, device=device)
+        return cls(key, tuple(calls), settings, counts, error_sums, counting, probing=[False] * sites,
+                   guard_dropped=[set() for _ in range(sites)], step_probed=[False] * sites)
 
 
 #: per context: handle key -> its run there (open, or the last one that ended there)

@@ -10,7 +10,8 @@ handle learns of it through diffusers' own channel, a stateful hook in each tran
   is t before the scheduler rounds timesteps to integers), and diffusers' ``maybe_free_model_hooks`` at the end of
   the call (``reset_stateful_hooks``) closes the run. A step index below the current one, or a context name seen
   twice in one step, starts a new run (a call that raised before its end).
-- **Pipelines that publish only a name** (HunyuanVideo 1.5): the first context opens a run, a name seen twice
+- **Pipelines that publish only a name** (HunyuanVideo 1.5; every pipeline under diffusers 0.40, whose
+  ``cache_context`` takes a name only): the first context opens a run, a name seen twice
   begins the next step, and where a timestep gate is configured, the transformer's timestep argument gives t (one
   host read per transformer call).
 - **No pipeline** (a bare transformer, a custom loop, a transformer called directly outside a pipeline call): a
@@ -98,9 +99,12 @@ class RunTracker:
 
     # --- channel 1: diffusers' cache context ----------------------------------------------------------------------
     def on_cache_context(self, context) -> None:
-        """A pipeline entered ``transformer.cache_context(...)`` (None: it left it)."""
+        """A pipeline entered ``transformer.cache_context(...)``: a ``CacheContext`` (diffusers 0.42), or only its
+        name (diffusers 0.40); None: it left it."""
         if context is None:
             return
+        if isinstance(context, str):
+            context = _NameOnly(context)
         run = open_run(self.key)
         step, name = context.step_index, context.name
         if run is None or run.data["source"] != PIPELINE or self._starts_over(run, step, name):
@@ -162,6 +166,15 @@ class RunTracker:
     def _normalized(self, raw) -> float:
         value = float(raw.detach().float().max()) if torch.is_tensor(raw) else float(raw)
         return value / self.num_train_timesteps
+
+
+class _NameOnly:
+    """What diffusers before 0.42 publishes of a cache context: its name."""
+
+    step_index = timestep = sigma = None
+
+    def __init__(self, name: str):
+        self.name = name
 
 
 class _StepChannel(StateManager):

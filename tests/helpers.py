@@ -6,12 +6,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import diffusers.hooks.hooks
 import torch
 
 from diffusers_trtllm.tiny_pipelines import TINY_TEXT_DIM, TINY_TEXT_LEN, tiny_cosmos3_pipeline, tiny_wan_transformer
 
+#: diffusers' ``cache_context`` publishes the step index and sigma (0.41 and later); 0.40 publishes the name only
+PUBLISHES_STEPS = hasattr(diffusers.hooks.hooks, "CacheContext")
 I2V_IMAGE_DIM = 24
 I2V_IMAGE_TOKENS = 257
+
+
+def pipeline_context(model, name: str = "cond", step: int = 0, sigma: float = 0.5):
+    """``model.cache_context(...)`` as diffusers' Wan pipeline opens it around a transformer call (the name only
+    under diffusers 0.40; nothing where the model has no ``cache_context``: Cosmos 3 under diffusers 0.40)."""
+    if not hasattr(model, "cache_context"):
+        return contextlib.nullcontext()
+    return model.cache_context(name, step_index=step, sigma=sigma) if PUBLISHES_STEPS else model.cache_context(name)
 
 
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -36,12 +47,12 @@ def tiny_wan(i2v=False, **kwargs):
     return tiny_wan_transformer(**extra, **kwargs)
 
 
-def predicted_gate_modes(scheduler, gate: float, *, from_sigmas: bool = True) -> dict[int, str]:
+def predicted_gate_modes(scheduler, gate: float, *, from_sigmas: bool | None = None) -> dict[int, str]:
     """Per step of ``scheduler`` (timesteps already set): "skip" where t <= gate, else "dense" — what the timestep
-    gate must do. t is the step's sigma where the pipeline publishes it (diffusers' Wan and Cosmos 3 pipelines),
-    else (``from_sigmas=False``: HunyuanVideo 1.5, custom loops, a bare transformer) the timestep argument /
-    num_train_timesteps."""
-    if from_sigmas:
+    gate must do. t is the step's sigma where the pipeline publishes it (diffusers' Wan and Cosmos 3 pipelines
+    from 0.41 on: ``from_sigmas`` None), else (``from_sigmas=False``: HunyuanVideo 1.5, custom loops, a bare
+    transformer) the timestep argument / num_train_timesteps."""
+    if PUBLISHES_STEPS if from_sigmas is None else from_sigmas:
         values = scheduler.sigmas[:len(scheduler.timesteps)].tolist()
     else:
         train = scheduler.config.num_train_timesteps
@@ -90,7 +101,7 @@ class LoopPipeline:
         for i, t in enumerate(self.scheduler.timesteps[begin:], start=begin):
             call = {**inputs, "timestep": t.expand(batch)}
             if self.publish:
-                with self.transformer.cache_context("cond", step_index=i, sigma=float(self.scheduler.sigmas[i])):
+                with pipeline_context(self.transformer, "cond", i, float(self.scheduler.sigmas[i])):
                     self.transformer(**call)
             else:
                 self.transformer(**call)

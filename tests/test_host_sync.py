@@ -39,7 +39,7 @@ from diffusers_trtllm.run_state import OWNER, open_run
 from diffusers_trtllm.steps import RunTracker
 from diffusers_trtllm.tiny_pipelines import tiny_hunyuan_video15_transformer
 
-from helpers import cosmos3_transformer_call, tiny_wan, wan_inputs
+from helpers import cosmos3_transformer_call, pipeline_context, tiny_wan, wan_inputs
 from test_hunyuan_video15 import transformer_inputs as hunyuan_inputs
 
 PACKAGE_DIR = "/diffusers_trtllm/"
@@ -187,9 +187,11 @@ def test_no_host_read_on_the_attention_path(name, config, cosmos3_call, monkeypa
         spec = dict(CONFIGS[config], per_role={"und_causal": {"backend": "TORCH_SDPA"}})
     with enable_trtllm_attention(model, spec) as handle, torch.no_grad():
         reads = HostReads()
-        with reads, model.cache_context("cond", step_index=0, sigma=0.5):
+        with reads, pipeline_context(model):
             model(**inputs)
-        assert reads.reads == []
+        # a model without cache_context (Cosmos 3 under diffusers 0.40) is followed through its timestep argument
+        expected = [] if hasattr(model, "cache_context") else ["steps.py"]
+        assert [r.split(":")[1].strip() for r in reads.reads] == expected, reads.reads
         assert handle.stats.records  # the watched path ran and counted
 
 
@@ -225,13 +227,13 @@ def test_no_device_sync_in_a_transformer_call_on_the_gpu(config):
     inputs = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
               for k, v in wan_inputs(batch=1, frames=1, height=8, width=8).items()}
     with enable_trtllm_attention(model, config), torch.no_grad():
-        with model.cache_context("cond", step_index=0, sigma=0.5):
+        with pipeline_context(model, step=0):
             model(**inputs)  # first call: kernels load and per-shape choices are made
         torch.cuda.synchronize()
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with model.cache_context("cond", step_index=1, sigma=0.4):
+            with pipeline_context(model, step=1, sigma=0.4):
                 model(**inputs)
         finally:
             torch.cuda.set_sync_debug_mode(previous)

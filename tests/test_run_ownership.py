@@ -192,3 +192,23 @@ def test_nothing_keeps_the_pipeline_or_transformer_alive_after_restore():
     gc.collect()
     assert [ref() for ref in refs] == [None] * 3
     assert sorted(handle.stats.per_step()) == [0, 1, 2]  # the last run's statistics outlive the objects
+
+
+def test_a_run_started_inside_inference_mode_is_read_outside_it():
+    """vLLM-Omni calls pipelines under ``torch.inference_mode()``; the run's counters are ordinary tensors, so the
+    statistics are read (and their counters zeroed) outside it."""
+    pipe = tiny_pipe()
+    with enable_trtllm_attention(pipe, GATED) as handle:
+        with torch.inference_mode():
+            request(pipe, 3)
+            pipe.transformer(**pipe_inputs(pipe))  # a direct call: a run opened inside the transformer call
+        assert sorted(handle.stats.per_step()) == [0]
+        with torch.inference_mode():
+            request(pipe, 3)
+        assert sorted(handle.stats.per_step()) == [0, 1, 2]
+
+
+def pipe_inputs(pipe):
+    config = pipe.transformer.config
+    return dict(hidden_states=torch.randn(1, config.in_channels, 1, 8, 8), timestep=torch.tensor([500]),
+                encoder_hidden_states=torch.randn(1, 8, config.text_dim), return_dict=False)

@@ -7,14 +7,19 @@ each plan is for (the accuracy probe's steps), and runs that belong to the threa
 import contextvars
 import threading
 
+import diffusers.hooks.hooks
 import pytest
 import torch
-from diffusers.hooks.hooks import CacheContext
 
 from diffusers_trtllm.config import AccuracySpec, AttentionConfig
 from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite
 from diffusers_trtllm.run_state import PROBE, open_run, run_here
 from diffusers_trtllm.steps import RunTracker, TimestepReader
+
+if not hasattr(diffusers.hooks.hooks, "CacheContext"):
+    pytest.skip("diffusers 0.40's cache_context publishes a name only (the name-only path is tested through "
+                "pipelines)", allow_module_level=True)
+CacheContext = diffusers.hooks.hooks.CacheContext
 
 
 def tracker_with(num_train_timesteps: int = 1000, gated: bool = True) -> RunTracker:
