@@ -31,11 +31,9 @@ import json
 import torch
 
 from .accuracy import probe_error_sums
-from .backends import run_backend, select_backend
+from .backends import masked_dense_attention, planned_route, run_backend, select_backend
 from .backends.base import KernelPlan, VarlenQKV
-from .backends.sdpa import sdpa_attention
-from .backends.trtllm import dense_route
-from .config import TRTLLM_ATTN, AttnQuantSpec
+from .config import AttnQuantSpec
 from .errors import warn_user
 from .run_state import OWNER, SETTINGS, SITE, open_run
 
@@ -123,22 +121,9 @@ def _backward(ctx, grad_out):
     q, k, v = ctx.saved_tensors
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = dense_attention(*inputs, ctx.valid_lengths, ctx.scale, ctx.causal)
+        out = masked_dense_attention(*inputs, ctx.valid_lengths, ctx.scale, ctx.causal)
         grads = torch.autograd.grad(out, inputs, grad_out)
     return (*grads,) + (None,) * 10
-
-
-def dense_attention(q, k, v, valid_lengths, scale: float, causal: bool) -> torch.Tensor:
-    """``[B, S, H, D]`` dense attention with SDPA (``TORCH_SDPA``'s), each sample among its valid prefix (0
-    elsewhere; valid prefixes come with non-causal self-attention only)."""
-    if valid_lengths is None:
-        return sdpa_attention(q, k, v, scale, causal)
-    positions = torch.arange(q.shape[1], device=q.device)
-    valid = positions[None, :] < valid_lengths.to(q.device)[:, None]  # [B, S]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, :, None] &
-        valid[:, None, None, :], scale=scale, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
-    return torch.where(valid[:, :, None, None], out, 0.0)
 
 
 attention.register_autograd(_backward, setup_context=_setup_backward)
@@ -172,7 +157,7 @@ def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: 
     """The backend of a call not planned at install (``set_attention_backend("trtllm")``, the processors' unbound
     form), chosen once per kind of call: an explicit one that cannot run raises with its reason; ``auto`` that
     drops a feature warns once per reason (not once per shape). TRTLLM_ATTN's dense kernel on Hopper is
-    ``auto``'s (:func:`~.backends.trtllm.dense_route`)."""
+    ``auto``'s (:func:`~.backends.planned_route`)."""
     # what the backends' checks read of the lengths: an empty sequence, more queries than keys (SAGE kernels)
     lengths = (qkv.has_empty_sequence, qkv.more_queries_than_keys)
     key = (requested, qkv.q.device, qkv.q.dtype, qkv.head_dim, qkv.q.shape[1], qkv.k.shape[1], causal,
@@ -186,5 +171,5 @@ def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: 
             warn_user(f"diffusers_trtllm: auto runs attention dense on {qkv.q.device}: {choice.dropped}")
         if len(_UNPLANNED_CHOICES) >= _UNPLANNED_CACHE_SIZE:
             _UNPLANNED_CHOICES.pop(next(iter(_UNPLANNED_CHOICES)))  # bounded: drop the oldest kind
-        _UNPLANNED_CHOICES[key] = dense_route(qkv.q.device) if choice.route == TRTLLM_ATTN else choice.route
+        _UNPLANNED_CHOICES[key] = planned_route(choice, qkv.q.device)
     return _UNPLANNED_CHOICES[key]

@@ -19,16 +19,26 @@ from typing import Callable, Mapping
 
 import torch
 
-from .backends import select_backend
-from .backends.trtllm import dense_route, sage_semantics
+from .backends import planned_route, select_backend
+from .backends.trtllm import sage_semantics
 from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV, dense_kernel_of, get_backend
 from .calibration.curve import SkipCalibration
 from .config import (AUTO, TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttentionSpec, AttnQuantSpec,
                      SkipSoftmaxSpec)
 from .errors import AttentionConfigError, BackendUnavailableError, warn_user
-from .kernels.triton_sage import SKIP_SAMPLE_WAVES
 from .ops import encode_quant
 from .run_state import OWNER, SAGE, SKIP, Run, RunKey, initial_settings
+
+
+#: notes that hold for every install said so far: each is said once per process
+_SAID: set[str] = set()
+
+
+def note_once(message: str) -> None:
+    """Warn ``message`` the first time this process meets it."""
+    if message not in _SAID:
+        _SAID.add(message)
+        warn_user(message)
 
 
 @dataclass(frozen=True)
@@ -223,7 +233,7 @@ class CallPlanner:
             self.warn_once(f"dropped-{why}", f"diffusers_trtllm: auto runs {sorted(set(roles))} attention dense: "
                                              f"{why}")
         for note in self._sampled_skipping_notes(calls.values(), self.traits, device):
-            self.warn_once("sampled-skipping", note)
+            note_once(note)
         for index, call in enumerate(calls.values()):
             call.owner, call.index = self.run_key, index
             row = call.plan_row(None, 0)[0] + [float(self.run_key.value), float(index)]
@@ -268,13 +278,11 @@ class CallPlanner:
         requested_skip = skip
         if choice.dropped:
             skip, quant, calibration = None, None, None
-        route = choice.route
-        if route == TRTLLM_ATTN:
-            try:
-                route = dense_route(device, spec.dense_kernel)
-            except BackendUnavailableError as e:
-                raise BackendUnavailableError(
-                    f"{site.qualified_layer} ({site.role} attention, per_role key {key!r}): {e}") from None
+        try:
+            route = planned_route(choice, device, spec.dense_kernel)
+        except BackendUnavailableError as e:
+            raise BackendUnavailableError(
+                f"{site.qualified_layer} ({site.role} attention, per_role key {key!r}): {e}") from None
         if quant is not None and (quant.scheduled or (spec.accuracy is not None and spec.accuracy.max_error)):
             # the SAGE step schedule and the guard run this site dense at some steps: that must run here too
             dense = KernelPlan(backend=choice.name, scale=kernel.scale, causal=traits.causal,
@@ -317,15 +325,10 @@ class CallPlanner:
             rule = sage_semantics(call.quant, device, *lengths).skip_sample
             if rule is not None:
                 sampled.setdefault(rule[1], []).append(call.site.role)
-        if device.type == "cuda":
-            how = (f"on the Triton SAGE kernel, which first runs a sample of each head's query tiles (about "
-                   f"{SKIP_SAMPLE_WAVES} waves of thread blocks on this GPU)")
-        else:
-            how = "as the GPU's Triton SAGE kernel would: it first runs a sample of each head's query tiles"
-        return [f"diffusers_trtllm: {sorted(set(roles))} attention runs SAGE + Skip-Softmax {how}; a head skips "
-                f"only if its sample skipped at least {pays_from:.0%} of its KV tiles, else it attends dense (where "
-                "skipping would cost more time than it saves), so it skips less than Skip-Softmax alone. "
-                "handle.stats reports the tiles actually skipped"
+        where = "the Triton SAGE kernel" if device.type == "cuda" else "the Triton SAGE kernel's rule"
+        return [f"diffusers_trtllm: {sorted(set(roles))} SAGE + Skip-Softmax follows {where}: a head skips only "
+                f"where a sample of its query tiles skipped >= {pays_from:.0%} of its KV tiles (dense elsewhere); "
+                "handle.stats counts what was skipped"
                 for pays_from, roles in sampled.items()]
 
     def _check_statistics(self) -> None:

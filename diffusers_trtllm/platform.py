@@ -13,7 +13,12 @@ def gpu_arch(device: torch.device | str) -> str | None:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    major, minor = torch.cuda.get_device_capability(device)
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)  # asked on the per-call path: the driver is queried once per GPU
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}"
 
 

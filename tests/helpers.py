@@ -4,6 +4,7 @@ import contextlib
 import importlib.util
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import diffusers.hooks.hooks
@@ -156,3 +157,24 @@ def counted_op(*args):
     with op_run(args[4]) as run:
         out = torch.ops.diffusers_trtllm.attention(*args)
     return out, run.counts[0], run.error_sums[0]
+
+
+def run_together(jobs: dict) -> dict:
+    """Run ``{name: callable}`` at the same time in threads, starting together; their results by name."""
+    results, errors = {}, []
+    barrier = threading.Barrier(len(jobs))
+
+    def run(name):
+        try:
+            barrier.wait()
+            results[name] = jobs[name]()
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results

@@ -35,3 +35,12 @@ def test_relative_imports_are_resolved_from_nested_packages(tmp_path):
                                    "import torch\n")
     assert _package_imports(nested / "mod.py", package) == [
         f"{PACKAGE.name}.quant", f"{PACKAGE.name}.kernels.numerics", f"{PACKAGE.name}.kernels.sub.sibling"]
+
+
+def test_the_attention_op_and_the_planner_reach_backends_and_kernels_only_through_their_package_api():
+    """The per-call op runs whatever route planning resolved: it imports the backends' package, no single backend;
+    the planner takes kernel facts from the backends, not a Triton kernel's constants."""
+    op = [name for name in _package_imports(PACKAGE / "ops.py") if name.startswith(f"{PACKAGE.name}.backends.")]
+    assert op == [f"{PACKAGE.name}.backends.base"]  # the contract types (VarlenQKV, KernelPlan), no backend
+    plan = _package_imports(PACKAGE / "plan.py")
+    assert not [name for name in plan if name.startswith(f"{PACKAGE.name}.kernels")], plan

@@ -13,7 +13,6 @@ Through the public API on the tiny Wan 2.2 pipeline (CPU, ``TORCH_REFERENCE``), 
 import copy
 import gc
 import pickle
-import threading
 import weakref
 
 import pytest
@@ -22,6 +21,8 @@ from diffusers import WanPipeline
 
 from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
 from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline, tiny_wan_transformer
+
+from helpers import run_together
 
 # The issue's case: SAGE int8 switched on by the step schedule, Skip-Softmax behind its timestep gate.
 GATED = {"default": {"backend": "TORCH_REFERENCE",
@@ -39,27 +40,6 @@ def tiny_pipe(seed=0, two_experts=True):
 def request(pipe, steps, prompt="a fox in snow"):
     return pipe(prompt, negative_prompt="blur", height=96, width=160, num_frames=5, num_inference_steps=steps,
                 generator=torch.Generator().manual_seed(steps), output_type="latent").frames
-
-
-def run_together(jobs: dict) -> dict:
-    """Run ``{name: callable}`` at the same time in threads, starting together; their results by name."""
-    results, errors = {}, []
-    barrier = threading.Barrier(len(jobs))
-
-    def run(name):
-        try:
-            barrier.wait()
-            results[name] = jobs[name]()
-        except Exception as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    return results
 
 
 def scoped(pipe):

@@ -6,7 +6,6 @@ transformer over many runs, and diffusers' processor code making its calls in an
 """
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from diffusers_trtllm.processors import base as processor_base
 from diffusers_trtllm.tiny_pipelines import TINY_TEXT_LEN, tiny_wan22_pipeline
 
 from helpers import (I2V_IMAGE_TOKENS, PUBLISHES_STEPS, LoopPipeline, cosmos3_transformer_call, predicted_gate_modes,
-                     tiny_wan, wan_inputs)
+                     run_together, tiny_wan, wan_inputs)
 
 GATE = 0.8
 GATED_SKIP = {"default": {"backend": "TORCH_REFERENCE",
@@ -81,22 +80,8 @@ def test_two_pipelines_in_two_threads_give_what_each_gives_alone():
                for name, config in (("skip", GATED_SKIP), ("sage", SAGE))}
     alone = {name: (generate(pipe), handles[name].stats.summary()) for name, pipe in pipes.items()}
     for _ in range(3):
-        results, errors = {}, []
-        barrier = threading.Barrier(len(pipes))
-
-        def run(name):
-            try:
-                barrier.wait()
-                results[name] = (generate(pipes[name]), handles[name].stats.summary())
-            except Exception as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(name,)) for name in pipes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        results = run_together({name: lambda name=name: (generate(pipes[name]), handles[name].stats.summary())
+                                for name in pipes})
         for name in pipes:
             assert torch.equal(results[name][0], alone[name][0]), name
             assert results[name][1] == alone[name][1], name

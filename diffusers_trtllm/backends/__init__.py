@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import AUTO, TORCH_REFERENCE
+import torch
+
+from ..config import AUTO, TORCH_REFERENCE, TRTLLM_ATTN
 from ..errors import BackendUnavailableError
 from . import reference, sdpa, trtllm  # noqa: F401  (registration)
-from .base import KernelPlan, KernelResult, VarlenQKV, backend_for_route, get_backend, registered_backends, route_of
+from .base import KernelPlan, KernelResult, VarlenQKV, get_backend, registered_backends, route_of, route_runner
+from .sdpa import masked_dense_attention
+from .trtllm import dense_route
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,13 @@ def select_backend(requested: str, plan: KernelPlan, qkv: VarlenQKV) -> BackendC
     raise BackendUnavailableError("no backend can run this attention: " + "; ".join(passed_over))
 
 
+def planned_route(choice: BackendChoice, device: torch.device, dense_kernel: str = AUTO) -> str:
+    """The kernel route a call site chosen to run on ``choice`` runs on ``device``, decided once (at install, or
+    once per kind of unplanned call): TRTLLM_ATTN's names the dense kernel it runs on Hopper
+    (:func:`~.trtllm.dense_route`; an explicit ``dense_kernel`` that cannot run raises)."""
+    return dense_route(device, dense_kernel) if choice.route == TRTLLM_ATTN else choice.route
+
+
 def run_backend(route: str, qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
-    """Run a planned route (:attr:`BackendChoice.route`)."""
-    return backend_for_route(route).run(qkv, plan)
+    """Run a planned route (:func:`planned_route`)."""
+    return route_runner(route)(qkv, plan)

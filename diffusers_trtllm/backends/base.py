@@ -175,7 +175,19 @@ class FunctionBackend:
         return self.runner(qkv, plan)
 
 
-_REGISTRY: dict[str, FunctionBackend] = {}
+class _Registry(dict):
+    """Backends by name; a change (a registration, a test's stand-in) forgets the routes resolved so far."""
+
+    def __setitem__(self, name, backend):
+        super().__setitem__(name, backend)
+        route_runner.cache_clear()
+
+    def __delitem__(self, name):
+        super().__delitem__(name)
+        route_runner.cache_clear()
+
+
+_REGISTRY: dict[str, FunctionBackend] = _Registry()
 
 #: Test seam: with this variable set to 1 when a call site is planned, ``TRTLLM_ATTN`` reports itself available on
 #: any device and computes with ``TORCH_REFERENCE``, so integrations (vLLM-Omni's diffusers path) can be tested end
@@ -217,6 +229,12 @@ def backend_for_route(route: str) -> FunctionBackend:
     if route == TRTLLM_ON_REFERENCE_ROUTE:
         return _seam_backend()
     return _REGISTRY[route.partition(ROUTE_KERNEL_SEPARATOR)[0]]
+
+
+@functools.lru_cache(maxsize=None)  # one per route: the per-call path parses no route string
+def route_runner(route: str) -> Callable[[VarlenQKV, KernelPlan], KernelResult]:
+    """The function that runs a planned route (:func:`backend_for_route`'s ``run``)."""
+    return backend_for_route(route).run
 
 
 def dense_kernel_of(route: str) -> str:

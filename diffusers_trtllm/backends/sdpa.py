@@ -29,6 +29,19 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out.transpose(1, 2)
 
 
+def masked_dense_attention(q, k, v, valid_lengths, scale: float, causal: bool) -> torch.Tensor:
+    """``[B, S, H, D]`` dense attention with SDPA (``TORCH_SDPA``'s), each sample among its valid prefix (0
+    elsewhere; valid prefixes come with non-causal self-attention only)."""
+    if valid_lengths is None:
+        return sdpa_attention(q, k, v, scale, causal)
+    positions = torch.arange(q.shape[1], device=q.device)
+    valid = positions[None, :] < valid_lengths.to(q.device)[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, :, None] &
+        valid[:, None, None, :], scale=scale, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+    return torch.where(valid[:, :, None, None], out, 0.0)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
     return sdpa_attention(q, k, v, plan.scale, plan.causal)
 
