@@ -28,7 +28,7 @@ import os
 from typing import Iterator, Mapping
 
 from .config import (AUTO, FEATURE_BACKENDS, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec,
-                     SkipSoftmaxSpec, canonical_backend)
+                     SkipSoftmaxSpec, canonical_backend, env_switch)
 from .errors import AttentionConfigError, invalid
 
 FLAGS = {  # dest -> (flag, environment variable)
@@ -41,7 +41,6 @@ FLAGS = {  # dest -> (flag, environment variable)
 }
 # No block sizes: the GPU's fastest FP8 SAGE kernel, logged once (backends.trtllm.sage_semantics).
 SAGE_PRESET = AttnQuantSpec(dtype_qk="fp8_e4m3")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def add_attention_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,12 +62,7 @@ def add_attention_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def _env_value(dest: str, raw: str):
     _, var = FLAGS[dest]
     if dest == "trtllm_gen_sage":
-        low = raw.strip().lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return None
-        raise invalid(var, raw, f"one of {list(_TRUE + _FALSE[:-1])}")
+        return env_switch(var, {var: raw}) or None
     if dest.startswith("trtllm_gen_"):
         try:
             return float(raw)

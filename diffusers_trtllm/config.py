@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from types import MappingProxyType
@@ -300,6 +301,24 @@ class AttentionSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+SWITCH_ON, SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def env_switch(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment variable ``name`` turns its switch on (unset: off). Every switch of the package is
+    read here: ``1 / true / yes / on`` and ``0 / false / no / off`` (any case, or empty); another value is refused
+    naming the variable."""
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in SWITCH_ON:
+        return True
+    if value in SWITCH_OFF:
+        return False
+    raise invalid(name, raw, f"one of {list(SWITCH_ON + SWITCH_OFF[:-1])} (or empty)")
 
 
 def canonical_backend(name) -> str:

@@ -8,13 +8,12 @@ an explicit choice that cannot run raises with the reason and ``auto`` can pick 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
-from ..config import AttnQuantSpec
+from ..config import AttnQuantSpec, env_switch
 
 DEFAULT_TILE = (128, 128)  # (query rows, key columns) per skip decision: FMHAv2's granularity on Hopper
 
@@ -208,7 +207,7 @@ def register_backend(name: str, runner, check, priority: int = 0) -> FunctionBac
 
 
 def _seam_active() -> bool:
-    return os.environ.get(TRTLLM_ON_REFERENCE_ENV) == "1"
+    return env_switch(TRTLLM_ON_REFERENCE_ENV)
 
 
 def get_backend(name: str) -> FunctionBackend:

@@ -34,13 +34,13 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
-import os
 import warnings
 from collections import Counter
 
 import torch
 
-from ..config import TORCH_SDPA, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
+from ..config import (TORCH_SDPA, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec,
+                      env_switch)
 from ..errors import AttentionConfigError, BackendUnavailableError, invalid
 from ..install import enable_trtllm_attention
 from ..version import __version__
@@ -187,7 +187,7 @@ def install_on_pipeline(pipeline, config: AttentionConfig):
     :class:`~diffusers_trtllm.TrtllmAttentionHandle`."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        handle = enable_trtllm_attention(pipeline, config, collect_stats=os.environ.get(COLLECT_STATS_ENV) == "1")
+        handle = enable_trtllm_attention(pipeline, config, collect_stats=env_switch(COLLECT_STATS_ENV))
     for message in dict.fromkeys(str(w.message) for w in caught):
         logger.warning("%s", message)
     logger.info("TRTLLM_ATTN for %s is served by diffusers_trtllm %s: %s (config %s)", type(pipeline).__name__,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import os
 import warnings
 from typing import Iterator, Sequence
 
@@ -19,7 +18,7 @@ from diffusers_trtllm import AttentionConfig, AttentionConfigError, BackendUnava
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.backends.trtllm import device_unavailable_reason
 from diffusers_trtllm.calibration import CalibrationError
-from diffusers_trtllm.config import TRTLLM_ATTN
+from diffusers_trtllm.config import TRTLLM_ATTN, env_switch
 
 from .models import ModelEntry, ModelLoadError, VideoShape
 
@@ -68,7 +67,7 @@ def check_backends(parser: argparse.ArgumentParser, configs: list[AttentionConfi
     library would only find out at the first attention call)."""
     named = any(spec.backend == TRTLLM_ATTN for config in configs
                 for spec in (config.default, *config.per_role.values()))
-    if named and os.environ.get(TRTLLM_ON_REFERENCE_ENV) != "1":
+    if named and not env_switch(TRTLLM_ON_REFERENCE_ENV):
         reason = device_unavailable_reason(device)
         if reason is not None:
             parser.error(f"{reason}; on this machine use TORCH_SDPA, TORCH_REFERENCE or auto")
