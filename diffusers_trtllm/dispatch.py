@@ -24,6 +24,7 @@ from .backends.sdpa import sdpa_attention
 from .config import AUTO, TORCH_SDPA, AttentionConfig
 from .errors import AttentionConfigError
 from .plan import AttentionCall, CallSite
+from .run_state import open_run
 
 BACKEND_NAME = "trtllm"
 
@@ -84,10 +85,16 @@ def run_attention(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, v
 
 def _run(call: AttentionCall, query, key, value, scale, valid_lengths) -> torch.Tensor:
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    if (call.backend == TORCH_SDPA and call.planned and valid_lengths is None and not call.counting
-            and call.probe is None):
-        # TORCH_SDPA's own function outside the op (nothing to count or probe): traced by inductor.
-        return sdpa_attention(query, key, value, scale, call.causal)
+    if (call.backend == TORCH_SDPA and call.planned and valid_lengths is None and call.probe is None
+            and call.accuracy is None and not (call.counting and torch.compiler.is_compiling())):
+        # TORCH_SDPA's own function outside the op: traced by inductor where nothing is counted; in eager runs a
+        # counted call is counted here, on the host (a compiled one goes through the op, which finds its run).
+        out = sdpa_attention(query, key, value, scale, call.causal)
+        if call.counting:
+            run = open_run(call.owner.value)
+            if run is not None and run.counting:
+                run.count_call(call.index)
+        return out
     return torch.ops.diffusers_trtllm.attention(
         query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, call.settings, call.route, scale,
         call.causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)

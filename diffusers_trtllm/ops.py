@@ -52,17 +52,6 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
     return AttnQuantSpec.from_dict(json.loads(text)) if text else None
 
 
-def _count(counts: torch.Tensor, result) -> None:
-    """Add one call's counts to a site's counters ``[skipped, tiles, calls, calls that counted tiles]``, in place
-    on the device (no copy from the host)."""
-    if result.skipped_tiles is None:
-        counts[2] += 1
-        return
-    counts[0] += result.skipped_tiles
-    counts[1] += result.total_tiles
-    counts[2:] += 1
-
-
 @torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
               settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str, per_kv_len: bool,
@@ -94,8 +83,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
                       quant=decode_quant(quant) if sage else None, tile=(tile_q, tile_kv), count_skips=counting)
     result = run_backend(backend, qkv, plan)
     if counting:
-        run.uncounted_calls += 1
-        _count(run.counts[site], result)
+        run.count_call(site, result.skipped_tiles, result.total_tiles)
         if probe_rows:
             run.error_sums[site] += probe_error_sums(qkv, result.out, int(probe_rows), scale, causal)
     if rows is None:

@@ -24,8 +24,8 @@ SETTINGS = 3
 #: a call's own settings (what runs outside a run) also carry its handle's run key and its site index, so every
 #: call site reaches the op through tensor values, never through a Python constant the compiler specializes on
 OWNER, SITE = 3, 4
-#: columns of a site's counters: skipped KV tiles, tiles, calls, calls whose backend counted tiles
-COUNTS = 4
+#: columns of a site's device counters: skipped KV tiles, tiles
+TILES = 2
 
 _KEYS = itertools.count(1)
 
@@ -58,7 +58,9 @@ class Run:
     """One run's state, indexed by call site (the planner's order).
 
     ``settings``: float64 CPU ``[sites, 3]``, planned once per step (skip value, SAGE switch, probe rows).
-    ``counts`` / ``error_sums``: on the attention device, added to by the op when ``counting``.
+    ``tiles`` / ``error_sums``: on the attention device, added to by the op when ``counting`` (skipped and all KV
+    tiles; the probe's ``[Σ error², Σ exact²]``); ``call_counts``: on the host, per site ``[calls, calls whose
+    backend counted tiles]`` since the counters were last kept.
     ``probing``: per site, this step's calls that would skip go to ``calls[i].probe`` and run dense (calibration).
     ``guard_dropped``: per site, what the accuracy guard took away for the rest of the run.
     ``data``: what the run's owner keeps beside (statistics, the step's channel).
@@ -67,14 +69,13 @@ class Run:
     key: int
     calls: tuple
     settings: torch.Tensor
-    counts: torch.Tensor
+    tiles: torch.Tensor
     error_sums: torch.Tensor
     counting: bool
+    call_counts: list = field(default_factory=list)
     probing: list = field(default_factory=list)
     guard_dropped: list = field(default_factory=list)
     step_probed: list = field(default_factory=list)
-    #: calls that counted since the counters were last kept (host-side: a step with none keeps nothing)
-    uncounted_calls: int = 0
     step: int | None = None
     timestep: float | None = None
     is_open: bool = True
@@ -87,10 +88,30 @@ class Run:
         # the statistics update them in place outside it too
         with torch.inference_mode(False):
             settings = initial_settings()[:SETTINGS].repeat(sites, 1)
-            counts = torch.zeros(sites, COUNTS, dtype=torch.int64, device=device)
+            tiles = torch.zeros(sites, TILES, dtype=torch.int64, device=device)
             error_sums = torch.zeros(sites, 2, dtype=torch.float64, device=device)
-        return cls(key, tuple(calls), settings, counts, error_sums, counting, probing=[False] * sites,
-                   guard_dropped=[set() for _ in range(sites)], step_probed=[False] * sites)
+        return cls(key, tuple(calls), settings, tiles, error_sums, counting, [[0, 0] for _ in range(sites)],
+                   probing=[False] * sites, guard_dropped=[set() for _ in range(sites)], step_probed=[False] * sites)
+
+    def count_call(self, site: int, skipped=None, total=None) -> None:
+        """One call of ``site``; ``skipped`` / ``total`` (device or host numbers) where its backend counted tiles.
+        In place, no copy between host and device."""
+        calls = self.call_counts[site]
+        calls[0] += 1
+        if skipped is not None:
+            row = self.tiles[site]
+            row[0] += skipped
+            row[1] += total
+            calls[1] += 1
+
+    @property
+    def called(self) -> bool:
+        """Some site was called since the counters were last kept."""
+        return any(calls for calls, _ in self.call_counts)
+
+    def counts_of(self, site: int) -> list[int]:
+        """``[skipped tiles, tiles, calls, calls that counted tiles]`` of ``site`` so far (a host read)."""
+        return self.tiles[site].tolist() + self.call_counts[site]
 
 
 #: per context: handle key -> its run there (open, or the last one that ended there)

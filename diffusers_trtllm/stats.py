@@ -66,7 +66,7 @@ class AttentionStats:
         self._run = run if run is not None and run.counting else None
         calls = self._run.calls if self._run is not None else ()
         self._probed = [i for i, call in enumerate(calls) if call.accuracy is not None]
-        # (step, modes, counts [sites, 4], probed flags, error sums [probed sites, 2] or None)
+        # (step, modes, tiles [sites, 2], host call counts [sites][2], probed flags, error sums [probed, 2] or None)
         self._steps: list[tuple] = []
         self._records: dict = {}
 
@@ -74,22 +74,24 @@ class AttentionStats:
         """Keep the run's counters as step ``step`` (device copies, no host sync) and zero them; nothing when no
         call counted since the last close."""
         run = self._run
-        if run is None or not run.uncounted_calls:
+        if run is None or not run.called:
             return
         modes = tuple(call.mode_of(row) for call, row in zip(run.calls, run.settings.tolist()))
         sums = run.error_sums[self._probed].clone() if self._probed else None
         probed = tuple(run.step_probed[i] for i in self._probed)
-        self._steps.append((step, modes, run.counts.clone(), probed, sums))
-        run.counts.zero_()
+        calls = [list(pair) for pair in run.call_counts]
+        self._steps.append((step, modes, run.tiles.clone(), calls, probed, sums))
+        run.tiles.zero_()
         run.error_sums.zero_()
-        run.uncounted_calls = 0
+        for pair in run.call_counts:
+            pair[:] = (0, 0)
 
     def step_errors(self, step: int) -> dict[int, tuple[float, float]]:
         """Step ``step``'s ``(Σ error², Σ exact²)`` per probed site index, if it was the last closed (one host
         copy): what the guard reads at the end of a probed step."""
-        if not self._steps or self._steps[-1][0] != step or self._steps[-1][4] is None:
+        if not self._steps or self._steps[-1][0] != step or self._steps[-1][5] is None:
             return {}
-        return dict(zip(self._probed, map(tuple, self._steps[-1][4].cpu().tolist())))
+        return dict(zip(self._probed, map(tuple, self._steps[-1][5].cpu().tolist())))
 
     @property
     def records(self) -> dict:
@@ -98,12 +100,13 @@ class AttentionStats:
         if not self._steps:
             return self._records
         records, calls = self._records, self._run.calls
-        values = torch.stack([counts for _, _, counts, _, _ in self._steps]).cpu().tolist()
+        values = torch.stack([tiles for _, _, tiles, *_ in self._steps]).cpu().tolist()
         errors = (torch.stack([sums for *_, sums in self._steps]).cpu().tolist() if self._probed else
                   [[] for _ in self._steps])
-        for (step, modes, _, probed, _), rows, sums in zip(self._steps, values, errors):
+        for (step, modes, _, host, probed, _), rows, sums in zip(self._steps, values, errors):
             probe = {index: (flag, pair) for index, flag, pair in zip(self._probed, probed, sums)}
-            for index, (call, mode, (skipped, total, n_calls, counted)) in enumerate(zip(calls, modes, rows)):
+            for index, (call, mode, (skipped, total), (n_calls, counted)) in enumerate(zip(calls, modes, rows,
+                                                                                            host)):
                 if not n_calls:
                     continue
                 key = (step, call.site.qualified_layer, call.backend, mode)

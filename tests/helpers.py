@@ -124,7 +124,7 @@ def run_script_under_triton_interpreter(test_file: str, results_path) -> object:
 @contextlib.contextmanager
 def op_run(*settings: torch.Tensor, calls=None, device="cpu"):
     """A counting run whose site ``i`` runs ``settings[i]`` (a call's own settings, given the run's key and site
-    ``i`` here), open in this thread while the block runs; yields it (``run.counts[i]``: site ``i``'s counters,
+    ``i`` here), open in this thread while the block runs; yields it (``run.counts_of(i)``: site ``i``'s counters,
     ``run.error_sums[i]``: its probe's sums)."""
     from diffusers_trtllm.run_state import OWNER, SETTINGS, SITE, Run, RunKey, set_run_here
 
@@ -144,7 +144,7 @@ def op_run(*settings: torch.Tensor, calls=None, device="cpu"):
 @contextlib.contextmanager
 def counted_run(*calls, device="cpu"):
     """A counting run of these calls (planned outside a handle, e.g. a processor's unbound calls), open in this
-    thread while the block runs; yields it (``run.counts[i]``: call ``i``'s counters)."""
+    thread while the block runs; yields it (``run.counts_of(i)``: call ``i``'s counters)."""
     for index, call in enumerate(calls):
         call.index, call.counting = index, True
     with op_run(*(call.settings for call in calls), calls=calls, device=device) as run:
@@ -156,7 +156,7 @@ def counted_op(*args):
     are the run's one site): (output, the call's counts, its probe's sums)."""
     with op_run(args[4]) as run:
         out = torch.ops.diffusers_trtllm.attention(*args)
-    return out, run.counts[0], run.error_sums[0]
+    return out, run.counts_of(0), run.error_sums[0]
 
 
 def run_together(jobs: dict) -> dict:

@@ -14,6 +14,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from diffusers_trtllm import AttentionConfigError, enable_trtllm_attention
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.processors import base as processor_base
+from diffusers_trtllm.run_state import Run
 from diffusers_trtllm.tiny_pipelines import TINY_TEXT_LEN, tiny_wan22_pipeline
 
 from helpers import (I2V_IMAGE_TOKENS, PUBLISHES_STEPS, LoopPipeline, cosmos3_transformer_call, predicted_gate_modes,
@@ -213,11 +214,9 @@ def test_each_cosmos3_role_gets_its_own_call(monkeypatch):
 
 def test_statistics_off_counts_nothing(monkeypatch):
     """With statistics off a call allocates nothing for counts; with them on, every call counts."""
-    from diffusers_trtllm import ops
-
     counted = []
-    real = ops._count
-    monkeypatch.setattr(ops, "_count", lambda *args: counted.append(1) or real(*args))
+    real = Run.count_call
+    monkeypatch.setattr(Run, "count_call", lambda *args: counted.append(1) or real(*args))
     model = tiny_wan()
     inputs = wan_inputs(batch=1, frames=1, height=8, width=8)
     for collect_stats in (False, True):
@@ -253,7 +252,7 @@ def test_a_summary_reads_the_counters_with_one_host_copy(monkeypatch):
         summary = handle.stats.summary()
         handle.stats.table()
     assert sorted(summary["per_step"]) == [0, 1, 2, 3]
-    assert copies == [torch.Size([4, len(handle.planner.calls), 4])]  # steps × sites × counters, once
+    assert copies == [torch.Size([4, len(handle.planner.calls), 2])]  # steps × sites × tile counters, once
 
 
 def test_auto_that_drops_a_feature_warns_once_whatever_the_shapes():

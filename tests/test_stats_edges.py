@@ -36,8 +36,7 @@ class HandRun:
 
     def add(self, call: AttentionCall, skipped: int, total: int, counted: bool = True, times: int = 1) -> None:
         for _ in range(times):  # what the op adds per call: skipped tiles, tiles, one call, whether it counted
-            self.run.counts[self.calls.index(call)] += torch.tensor([skipped, total, 1, int(counted)])
-            self.run.uncounted_calls += 1
+            self.run.count_call(self.calls.index(call), *((skipped, total) if counted else ()))
 
     def add_errors(self, call: AttentionCall, sums) -> None:
         self.run.error_sums[self.calls.index(call)] += torch.tensor(sums, dtype=torch.float64)
@@ -55,7 +54,7 @@ def test_a_step_keeps_every_call_of_a_layer_and_zeroes_the_counters():
     add(skipping, 1, 4, times=2)
     add(dense, 0, 4)
     stats.close_step(0)
-    assert hand.run.counts.tolist() == [[0, 0, 0, 0]] * 3
+    assert [hand.run.counts_of(i) for i in range(3)] == [[0, 0, 0, 0]] * 3
     stats.close_step(0)  # nothing counted since: nothing kept
     add(skipping, 4, 4)
     stats.close_step(1)

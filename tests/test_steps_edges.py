@@ -49,8 +49,7 @@ def where(tracker: RunTracker) -> tuple:
 
 def counted_call(tracker: RunTracker) -> None:
     run = open_run(tracker.key)
-    run.counts[0] += torch.tensor([1, 2, 1, 1])
-    run.uncounted_calls += 1
+    run.count_call(0, 1, 2)
 
 
 def context(name="cond", step=None, sigma=None, timestep=None):
