@@ -33,8 +33,8 @@ import torch
 
 from diffusers_trtllm import CalibrationResult, SkipSoftmaxSpec, calibrate
 from evaluation import MODELS, ModelEntry, VideoShape, from_pretrained, resolve_model
-from evaluation.cli import (ArgumentParser, check_device, check_shape, default_device, plain_warnings, positive_int,
-                            require_packages, user_errors)
+from evaluation.cli import (ArgumentParser, check_device, check_output, check_shape, default_device, plain_warnings,
+                            positive_int, require_packages, user_errors)
 
 DEFAULT_PROMPTS = ["A red fox runs through fresh snow at dawn, cinematic",
                    "Waves break on black volcanic rocks under a stormy sky",
@@ -160,6 +160,7 @@ def main(argv=None) -> CalibrationResult:
     if args.prompts is not None and not args.prompts.is_file():
         parser.error(f"--prompts {args.prompts}: no such file")
     output_dir = args.output_dir or Path("calibrated_" + (Path(args.model).name if args.model else "tiny"))
+    check_output(parser, "--output-dir", output_dir, folder=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()] \
@@ -176,7 +177,6 @@ def main(argv=None) -> CalibrationResult:
     target = args.target_sparsity if args.target_sparsity is not None else suggested_target(result)
     if args.target_sparsity is None and target is not None:
         result = with_suggested_target(result, target)
-    output_dir.mkdir(parents=True, exist_ok=True)
     if args.model is None:
         pipe.save_pretrained(output_dir)
     result.save(output_dir, pipe)

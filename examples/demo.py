@@ -29,7 +29,7 @@ from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN
 from diffusers_trtllm.kernels.triton_sage import SKIP_PAYS_FROM
 from evaluation import (VideoShape, describe_config, export_frames, generate_frames, load_model, open_gate,
                         resolve_model)
-from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_shape,
+from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_output, check_shape,
                             default_device, plain_warnings, positive_int, require_packages, user_errors)
 
 REFERENCE_LABEL = "dense (TORCH_SDPA)"
@@ -86,6 +86,7 @@ def main(argv=None) -> list[dict]:
     check_backends(parser, list(configs.values()), device)
     if args.output_dir is not None:
         require_packages(parser, "--output-dir (MP4 export)", "imageio", "imageio_ffmpeg")
+        check_output(parser, "--output-dir", args.output_dir, folder=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -117,7 +118,6 @@ def main(argv=None) -> list[dict]:
                          skips=config.default.skip_softmax is not None, sparsity=summary["sparsity"],
                          per_step=summary["per_step"], error=summary["error"]))
         if args.output_dir is not None:
-            args.output_dir.mkdir(parents=True, exist_ok=True)
             name = "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in label).strip("_")
             export_frames(video, str(args.output_dir / f"{name}.mp4"), fps=entry.fps)
     print("\n" + explanation(rows, tiny=args.model is None, threshold=args.threshold, gate=args.gate,

@@ -38,7 +38,7 @@ from evaluation import (MODELS, PLAN_GATES, EvalConfig, LpipsScorer, ModelEntry,
                         find_model, generate_frames, load_pipeline, plan_tables, plot_quality_vs_speedup,
                         plot_sparsity, psnr, resolve_model, sageattention_peer, sageattention_unavailable_reason,
                         skip_settings, sparsity_grid, ssim, synchronize, test_plan_configs)
-from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_shape,
+from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_output, check_shape,
                             default_device, plain_warnings, positive_int, require_packages, user_errors)
 from evaluation.models import looks_like_a_path
 
@@ -167,6 +167,7 @@ def main(argv=None) -> dict:
     check_shape(parser, entry, shape)
     check_backends(parser, [c.config for c in configs], device)
     require_packages(parser, "the plots", "matplotlib")
+    check_output(parser, "--output-dir", args.output_dir, folder=True)
     if args.save_videos:
         require_packages(parser, "--save-videos (MP4 export)", "imageio", "imageio_ffmpeg")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -176,7 +177,6 @@ def main(argv=None) -> dict:
     check_installs(parser, pipe, [c.config for c in configs])  # e.g. a target sparsity without a calibration
     pipe.set_progress_bar_config(leave=False, desc="denoising")
     lpips = LpipsScorer(args.device)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
 
     records, grids, plans, reference = [], {}, {}, None
     for config in tqdm(configs, desc=f"{entry.name} configurations"):

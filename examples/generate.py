@@ -39,7 +39,7 @@ from diffusers_trtllm.calibration.checkpoint import SIDECAR_NAME
 from diffusers_trtllm.config import TRANSFORMER_COMPONENTS
 from evaluation import (MODELS, TransformerTimer, VideoShape, describe_attention_plan, describe_config,
                         export_frames, format_number, generate_frames, load_model, resolve_model, synchronize)
-from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_shape,
+from evaluation.cli import (ArgumentParser, check_backends, check_device, check_installs, check_output, check_shape,
                             default_device, plain_warnings, positive_int, require_packages, user_errors)
 
 
@@ -106,6 +106,7 @@ def main(argv=None) -> dict:
     shape = VideoShape(args.height or default.height, args.width or default.width, args.frames or default.frames,
                        args.steps or default.steps)
     check_shape(parser, entry, shape)
+    check_output(parser, "--output", args.output, folder=False)
     check_backends(parser, [config], device)
     require_packages(parser, "writing the MP4", "imageio", "imageio_ffmpeg")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -141,7 +142,6 @@ def main(argv=None) -> dict:
               f"over its probed steps; all layers: {summary['error']:.2e}):\n" + handle.stats.error_table())
     print(f"run {seconds:.2f} s, of which transformer {timer.total:.2f} s in {len(timer.seconds())} calls"
           + ("" if device.type == "cuda" else " (CPU times say nothing about GPU speed)"))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     export_frames(frames, str(args.output), entry.fps)
     print(f"wrote {args.output}")
     return {"frames": frames, "summary": summary, "seconds": seconds, "transformer_seconds": timer.total,

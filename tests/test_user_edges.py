@@ -1,6 +1,8 @@
 """The edges a user meets first, through the public API and the scripts as users run them: environment switches
 read one way, what the statistics' numbers mean."""
 
+import os
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from diffusers_trtllm import AttentionConfigError, config_from_args, enable_trtl
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.config import env_switch
 
-from helpers import tiny_wan, wan_inputs
+from helpers import load_script, tiny_wan, wan_inputs
 
 SWITCHES = [TRTLLM_ON_REFERENCE_ENV, "TRTLLM_GEN_SAGE", "DIFFUSERS_TRTLLM_COLLECT_STATS"]
 
@@ -41,3 +43,41 @@ def test_the_reference_seam_takes_true(monkeypatch):
 def test_the_sage_shortcut_variable_takes_the_same_words():
     assert config_from_args(None, {"TRTLLM_GEN_SAGE": "yes"}).default.quant.dtype_qk == "fp8_e4m3"
     assert config_from_args(None, {"TRTLLM_GEN_SAGE": "off"}).default.quant is None
+
+
+# --- output paths: one line, exit 2, before any work ------------------------------------------------------------------
+
+def output_cases(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    a_folder = tmp_path / "a_folder"
+    a_folder.mkdir()
+    return [("generate.py", ["--output", str(a_folder)], "is an existing folder; give a file path"),
+            ("generate.py", ["--output", str(a_file / "fox.mp4")], "cannot make the folder"),
+            ("calibrate.py", ["--output-dir", str(a_file)], "is an existing file; give a folder"),
+            ("demo.py", ["--output-dir", str(a_file)], "is an existing file; give a folder"),
+            ("evaluate.py", ["--output-dir", str(a_file)], "is an existing file; give a folder"),
+            ("evaluate.py", ["--output-dir", str(a_file / "out")], "cannot make the folder")]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_an_output_that_cannot_be_written_stops_the_script_before_any_work(case, tmp_path, capsys, monkeypatch):
+    script, argv, message = output_cases(tmp_path)[case]
+    module = load_script(f"examples/{script}")
+    monkeypatch.setattr(module, "load_model" if hasattr(module, "load_model") else "load_pipeline",
+                        lambda *a, **k: pytest.fail("the model was loaded before the output was checked"))
+    with pytest.raises(SystemExit) as stopped:
+        module.main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_an_unwritable_output_folder_is_refused(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root writes anywhere: nothing to check here
+        pytest.skip("this user can write a read-only folder")
+    with pytest.raises(SystemExit) as stopped:
+        load_script("examples/generate.py").main(["--output", str(locked / "fox.mp4")])
+    assert stopped.value.code == 2 and "is not writable" in capsys.readouterr().err

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import os
 import warnings
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -88,6 +90,22 @@ def user_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
         yield
     except USER_ERRORS as e:
         parser.error(str(e).strip().splitlines()[0])
+
+
+def check_output(parser: argparse.ArgumentParser, flag: str, path: Path, *, folder: bool) -> None:
+    """``parser.error`` before any work when ``path`` (a file to write, or with ``folder`` a folder to write into)
+    cannot be written: an existing folder where a file goes (or a file where a folder goes), a parent that is a
+    file, a folder that cannot be made or written. A missing folder is made now."""
+    target = path if folder else path.parent
+    if path.exists() and path.is_dir() != folder:
+        parser.error(f"{flag} {path} is an existing {'file' if folder else 'folder'}; give a "
+                     f"{'folder' if folder else 'file path'}")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"{flag} {path}: cannot make the folder {target} ({e.strerror or e})")
+    if not os.access(target, os.W_OK | os.X_OK):
+        parser.error(f"{flag} {path}: the folder {target} is not writable")
 
 
 def check_shape(parser: argparse.ArgumentParser, entry: ModelEntry, shape: VideoShape) -> None:
