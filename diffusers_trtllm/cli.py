@@ -4,7 +4,7 @@
 flag                                   environment variable                    meaning
 =====================================  ======================================  =================================
 ``--diffusion-attention-backend``      ``DIFFUSION_ATTENTION_BACKEND``         backend of the default spec
-``--diffusion-attention-config``       ``DIFFUSION_ATTENTION_CONFIG``          full JSON config
+``--diffusion-attention-config``       ``DIFFUSION_ATTENTION_CONFIG``          full JSON config, or its file
 ``--trtllm-gen-sage``                  ``TRTLLM_GEN_SAGE=1``                   FP8 SAGE, the GPU's fastest kernel
 ``--trtllm-gen-target-sparsity``       ``TRTLLM_GEN_TARGET_SPARSITY``          Skip-Softmax target (calibrated)
 ``--trtllm-gen-disabled-until-timestep``  ``TRTLLM_GEN_DISABLED_UNTIL_TIMESTEP``  keep steps with t > D dense
@@ -49,7 +49,8 @@ def add_attention_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument(FLAGS["diffusion_attention_backend"][0], default=None, metavar="NAME",
                        help="TRTLLM_ATTN (alias trtllm-gen), TORCH_SDPA, TORCH_REFERENCE or auto")
     group.add_argument(FLAGS["diffusion_attention_config"][0], default=None, metavar="JSON",
-                       help='e.g. {"default":{"backend":"TRTLLM_ATTN","skip_softmax":{"target_sparsity":0.3}}}')
+                       help='e.g. {"default":{"backend":"TRTLLM_ATTN","skip_softmax":{"target_sparsity":0.3}}}, '
+                            'or the path of a JSON file holding it')
     group.add_argument(FLAGS["trtllm_gen_sage"][0], action="store_true", default=None,
                        help="FP8 SAGE quantization on the GPU's fastest kernel (block sizes unset; logged once)")
     group.add_argument(FLAGS["trtllm_gen_target_sparsity"][0], type=float, default=None, metavar="S",
@@ -101,6 +102,7 @@ def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[st
     environ = os.environ if environ is None else environ
     get = {dest: _setting(args, environ, dest) for dest in FLAGS}
     with _named(_source(args, "diffusion_attention_config")):
+        get["diffusion_attention_config"] = _config_text(get["diffusion_attention_config"])
         config = AttentionConfig.coerce(get["diffusion_attention_config"])
     default = config.default
     backend = get["diffusion_attention_backend"]
@@ -145,6 +147,19 @@ def config_from_args(args: argparse.Namespace | None = None, environ: Mapping[st
             skip = SkipSoftmaxSpec(**{**current, **skip_fields})
         default = dataclasses.replace(default, quant=quant, skip_softmax=skip)
     return AttentionConfig(default=default, per_role=config.per_role)
+
+
+def _config_text(value):
+    """``--diffusion-attention-config``'s value as JSON text: a JSON object as given, or the text of the JSON file
+    it names."""
+    if not isinstance(value, str) or value.lstrip().startswith("{"):
+        return value
+    path = os.path.expanduser(value.strip())
+    if not os.path.isfile(path):
+        raise AttentionConfigError(f"{value!r} is neither a JSON object (it does not start with '{{') nor a JSON "
+                                   "file (no such file)")
+    with open(path, encoding="utf-8") as file:
+        return file.read()
 
 
 def _names_default_backend(config) -> bool:

@@ -177,6 +177,7 @@ def main(argv=None) -> CalibrationResult:
     target = args.target_sparsity if args.target_sparsity is not None else suggested_target(result)
     if args.target_sparsity is None and target is not None:
         result = with_suggested_target(result, target)
+    output_dir.mkdir(parents=True, exist_ok=True)
     if args.model is None:
         pipe.save_pretrained(output_dir)
     result.save(output_dir, pipe)

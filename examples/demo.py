@@ -118,6 +118,7 @@ def main(argv=None) -> list[dict]:
                          skips=config.default.skip_softmax is not None, sparsity=summary["sparsity"],
                          per_step=summary["per_step"], error=summary["error"]))
         if args.output_dir is not None:
+            args.output_dir.mkdir(parents=True, exist_ok=True)
             name = "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in label).strip("_")
             export_frames(video, str(args.output_dir / f"{name}.mp4"), fps=entry.fps)
     print("\n" + explanation(rows, tiny=args.model is None, threshold=args.threshold, gate=args.gate,

@@ -178,6 +178,8 @@ def main(argv=None) -> dict:
     pipe.set_progress_bar_config(leave=False, desc="denoising")
     lpips = LpipsScorer(args.device)
 
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+
     records, grids, plans, reference = [], {}, {}, None
     for config in tqdm(configs, desc=f"{entry.name} configurations"):
         record, frames, grid, plan = run_config(pipe, entry, config, shape, args)

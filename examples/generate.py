@@ -142,6 +142,7 @@ def main(argv=None) -> dict:
               f"over its probed steps; all layers: {summary['error']:.2e}):\n" + handle.stats.error_table())
     print(f"run {seconds:.2f} s, of which transformer {timer.total:.2f} s in {len(timer.seconds())} calls"
           + ("" if device.type == "cuda" else " (CPU times say nothing about GPU speed)"))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     export_frames(frames, str(args.output), entry.fps)
     print(f"wrote {args.output}")
     return {"frames": frames, "summary": summary, "seconds": seconds, "transformer_seconds": timer.total,

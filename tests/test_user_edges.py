@@ -1,12 +1,13 @@
 """The edges a user meets first, through the public API and the scripts as users run them: environment switches
 read one way, what the statistics' numbers mean."""
 
+import argparse
 import os
 
 import pytest
 import torch
 
-from diffusers_trtllm import AttentionConfigError, config_from_args, enable_trtllm_attention
+from diffusers_trtllm import AttentionConfigError, add_attention_args, config_from_args, enable_trtllm_attention
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.config import env_switch
 
@@ -53,11 +54,11 @@ def output_cases(tmp_path):
     a_folder = tmp_path / "a_folder"
     a_folder.mkdir()
     return [("generate.py", ["--output", str(a_folder)], "is an existing folder; give a file path"),
-            ("generate.py", ["--output", str(a_file / "fox.mp4")], "cannot make the folder"),
+            ("generate.py", ["--output", str(a_file / "fox.mp4")], "cannot make a folder under"),
             ("calibrate.py", ["--output-dir", str(a_file)], "is an existing file; give a folder"),
             ("demo.py", ["--output-dir", str(a_file)], "is an existing file; give a folder"),
             ("evaluate.py", ["--output-dir", str(a_file)], "is an existing file; give a folder"),
-            ("evaluate.py", ["--output-dir", str(a_file / "out")], "cannot make the folder")]
+            ("evaluate.py", ["--output-dir", str(a_file / "out")], "cannot make a folder under")]
 
 
 @pytest.mark.parametrize("case", range(6))
@@ -81,3 +82,31 @@ def test_an_unwritable_output_folder_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         load_script("examples/generate.py").main(["--output", str(locked / "fox.mp4")])
     assert stopped.value.code == 2 and "is not writable" in capsys.readouterr().err
+
+
+# --- --diffusion-attention-config: JSON or a JSON file ---------------------------------------------------------------
+
+def test_the_attention_config_flag_takes_a_json_file(tmp_path):
+    path = tmp_path / "attention.json"
+    path.write_text('{"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.5}}}')
+    parser = add_attention_args(argparse.ArgumentParser())
+    config = config_from_args(parser.parse_args(["--diffusion-attention-config", str(path)]), {})
+    assert config.default.backend == "TORCH_REFERENCE" and config.default.skip_softmax.threshold == 0.5
+    assert config_from_args(None, {"DIFFUSION_ATTENTION_CONFIG": str(path)}) == config
+
+
+def test_a_config_that_is_neither_json_nor_a_file_says_so_in_one_line(tmp_path):
+    parser = add_attention_args(argparse.ArgumentParser())
+    with pytest.raises(AttentionConfigError) as refused:
+        config_from_args(parser.parse_args(["--diffusion-attention-config", str(tmp_path / "missing.json")]), {})
+    assert str(refused.value) == (f"--diffusion-attention-config: '{tmp_path / 'missing.json'}' is neither a JSON "
+                                  "object (it does not start with '{') nor a JSON file (no such file)")
+
+
+def test_generate_reads_the_config_file_from_the_command_line(tmp_path, capsys):
+    path = tmp_path / "attention.json"
+    path.write_text("{not json")
+    with pytest.raises(SystemExit) as stopped:
+        load_script("examples/generate.py").main(["--diffusion-attention-config", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and "attention config is not valid JSON" in err[0], err

@@ -94,18 +94,19 @@ def user_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
 
 def check_output(parser: argparse.ArgumentParser, flag: str, path: Path, *, folder: bool) -> None:
     """``parser.error`` before any work when ``path`` (a file to write, or with ``folder`` a folder to write into)
-    cannot be written: an existing folder where a file goes (or a file where a folder goes), a parent that is a
-    file, a folder that cannot be made or written. A missing folder is made now."""
-    target = path if folder else path.parent
+    cannot be written: an existing folder where a file goes (or a file where a folder goes), a file on the way to
+    it, the nearest existing folder not writable. Nothing is made here: the script makes the folder when it
+    writes."""
     if path.exists() and path.is_dir() != folder:
         parser.error(f"{flag} {path} is an existing {'file' if folder else 'folder'}; give a "
                      f"{'folder' if folder else 'file path'}")
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        parser.error(f"{flag} {path}: cannot make the folder {target} ({e.strerror or e})")
-    if not os.access(target, os.W_OK | os.X_OK):
-        parser.error(f"{flag} {path}: the folder {target} is not writable")
+    existing = path if folder and path.is_dir() else path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        parser.error(f"{flag} {path}: cannot make a folder under {existing}, which is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"{flag} {path}: the folder {existing} is not writable")
 
 
 def check_shape(parser: argparse.ArgumentParser, entry: ModelEntry, shape: VideoShape) -> None:
