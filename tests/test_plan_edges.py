@@ -263,7 +263,7 @@ def test_tile_counts_are_kept_as_integers():
     with handle, torch.no_grad():
         model(**wan_inputs(batch=1, frames=1, height=8, width=8))
         records = handle.stats.records
-    assert handle.planner.new_run().counts.dtype == torch.int64
+    assert handle.planner.new_run().tiles.dtype == torch.int64
     fields = {type(getattr(record, name)) for record in records.values() for name in ("calls", "skipped", "total")}
     assert fields == {int}
 
