@@ -34,6 +34,11 @@ class CallRecord:
     exact_sq: float = 0.0
 
     @property
+    def skips(self) -> bool:
+        """The calls ran Skip-Softmax (their mode says so)."""
+        return "skip" in self.mode.split("+")
+
+    @property
     def sparsity(self) -> float | None:
         """Skipped KV tiles / all tiles, or None when the backend did not count."""
         if not self.counted:
@@ -124,26 +129,32 @@ class AttentionStats:
         return records
 
     def _sparsity_by(self, index: int) -> dict:
-        skipped, total, uncounted = defaultdict(int), defaultdict(int), set()
+        """Skipped / all KV tiles per group, over the calls that ran Skip-Softmax; None for a group where none
+        did (the gate kept it dense, or it does not skip) or none was counted."""
+        skipped, total, counted = defaultdict(int), defaultdict(int), set()
         records = self.records
         for key, rec in records.items():
-            group = key[index]
-            if rec.counted:
+            if rec.skips and rec.counted:
+                group = key[index]
                 skipped[group] += rec.skipped
                 total[group] += rec.total
-            else:
-                uncounted.add(group)
+                counted.add(group)
         groups = sorted({key[index] for key in records})  # steps in number order, layers by name
-        return {g: (None if g in uncounted and not total[g] else
-                    (skipped[g] / total[g] if total[g] else 0.0)) for g in groups}
+        return {g: (skipped[g] / total[g] if total[g] else 0.0) if g in counted else None for g in groups}
 
     def per_step(self) -> dict[int, float | None]:
-        """Achieved sparsity per denoising step over all layers (None when nothing was counted)."""
+        """Achieved sparsity per denoising step over the layers that ran Skip-Softmax in it (None: none did, or
+        none was counted)."""
         return self._sparsity_by(0)
 
     def per_layer(self) -> dict[str, float | None]:
-        """Achieved sparsity per layer over all steps."""
+        """Achieved sparsity per layer over the steps it ran Skip-Softmax in (None: it never did, or was never
+        counted)."""
         return self._sparsity_by(1)
+
+    def skipping(self, index: int = 0) -> set:
+        """The steps (``index`` 1: layers) where some call ran Skip-Softmax."""
+        return {key[index] for key, rec in self.records.items() if rec.skips}
 
     def _error_by(self, group) -> dict:
         """The probe's relative error pooled by ``group(record key)`` over the probed records."""
@@ -175,9 +186,10 @@ class AttentionStats:
         return {s: dict(m) for s, m in sorted(out.items())}
 
     def summary(self) -> dict:
-        """One-call summary: overall sparsity, per step, per layer, and the modes that ran; where the accuracy
-        probe ran, its relative error overall (``error``, None when it did not), per step and per layer."""
-        counted = [r for r in self.records.values() if r.counted]
+        """One-call summary: sparsity over the calls that ran Skip-Softmax (overall, per step, per layer; None
+        where none did), and the modes that ran; where the accuracy probe ran, its relative error overall
+        (``error``, None when it did not), per step and per layer."""
+        counted = [r for r in self.records.values() if r.skips and r.counted]
         skipped, total = sum(r.skipped for r in counted), sum(r.total for r in counted)
         probed = [r for r in self.records.values() if r.probed]
         error = relative_error(sum(r.error_sq for r in probed), sum(r.exact_sq for r in probed)) if probed else None
@@ -186,27 +198,31 @@ class AttentionStats:
                 "error_per_step": self.error_per_step(), "error_per_layer": self.error_per_layer()}
 
     def table(self) -> str:
-        """Markdown table: one row per step with its modes, achieved sparsity and, where the accuracy probe ran,
-        its relative error over all probed layers and the worst layer's ("-": the step was not probed)."""
+        """Markdown table: one row per step with its modes, achieved sparsity over the layers that skipped
+        ("off": no layer ran Skip-Softmax in the step, e.g. the timestep gate kept it dense; "n/a": the backend
+        does not count) and, where the accuracy probe ran, its relative error over all probed layers and the
+        worst layer's ("-": the step was not probed)."""
         errors, error_per_step = self.errors(), self.error_per_step()
         worst: dict = {}
         for (step, layer), error in errors.items():
             if step not in worst or error > worst[step][1]:
                 worst[step] = (layer, error)
         lines = ["| step | modes | sparsity | probed error | worst layer (error) |", "|---:|---|---:|---:|---|"]
-        per_step = self.per_step()
+        per_step, skipping = self.per_step(), self.skipping()
         for step, modes in self.modes().items():
             sp = per_step.get(step)
             text = ", ".join(f"{n}× {m}" for m, n in sorted(modes.items()))
             probe = (f"{error_per_step[step]:.2e} | {worst[step][0]} ({worst[step][1]:.2e})" if step in worst
                      else "- | -")
-            lines.append(f"| {step} | {text} | {'n/a' if sp is None else f'{sp:.3f}'} | {probe} |")
+            shown = "off" if step not in skipping else "n/a" if sp is None else f"{sp:.3f}"
+            lines.append(f"| {step} | {text} | {shown} | {probe} |")
         return "\n".join(lines)
 
     def error_table(self) -> str:
         """Markdown table of the accuracy probe per layer: what ran, its relative error over the probed steps,
         the worst probed step's, and its sparsity ("" when the probe did not run)."""
         errors, per_layer, sparsity = self.errors(), self.error_per_layer(), self.per_layer()
+        skipping = self.skipping(1)
         if not per_layer:
             return ""
         modes: dict = defaultdict(set)
@@ -219,5 +235,5 @@ class AttentionStats:
             step, worst = max(((s, e) for (s, name), e in errors.items() if name == layer), key=lambda x: x[1])
             sp = sparsity.get(layer)
             lines.append(f"| {layer} | {', '.join(sorted(modes[layer]))} | {error:.2e} | {step} ({worst:.2e}) | "
-                         f"{'n/a' if sp is None else f'{sp:.3f}'} |")
+                         f"{'off' if layer not in skipping else 'n/a' if sp is None else f'{sp:.3f}'} |")
         return "\n".join(lines)

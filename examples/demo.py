@@ -116,7 +116,7 @@ def main(argv=None) -> list[dict]:
         backends = sorted({mode.split(":")[0] for modes in summary["modes"].values() for mode in modes})
         rows.append(dict(config=label, backends=",".join(backends), seconds=seconds, rel_diff=rel,
                          skips=config.default.skip_softmax is not None, sparsity=summary["sparsity"],
-                         per_step=summary["per_step"], error=summary["error"]))
+                         per_step=summary["per_step"], skipping=handle.stats.skipping(), error=summary["error"]))
         if args.output_dir is not None:
             args.output_dir.mkdir(parents=True, exist_ok=True)
             name = "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in label).strip("_")
@@ -137,8 +137,8 @@ def explanation(rows: list[dict], *, tiny: bool, threshold: float, gate: float, 
         "- sparsity: skipped / all KV tiles (128x128; 64x128 for SAGE on Hopper) where Skip-Softmax ran and the "
         "backend counts them (TORCH_REFERENCE and the SAGE kernels do, FlashInfer's bf16 ones do not: n/a); "
         "'-': the configuration does not skip",
-        f"- sparsity per step: the same per denoising step; steps with t = timestep/1000 > D = {gate:g} run "
-        "dense (0)",
+        f"- sparsity per step: the same per denoising step; 'off': the step ran no Skip-Softmax (the timestep gate "
+        f"keeps steps with t > D = {gate:g} dense; t is the step's noise level sigma, timestep/1000)",
     ]
     if not on_gpu:
         lines.append(f"- SAGE + skip on a CPU follows the Triton SAGE kernel's rule (a head skips only where a "
@@ -164,7 +164,8 @@ def format_table(rows: list[dict]) -> str:
              + (" probed error |" if probed else ""), "|---|---|---:|---:|---:|---|" + ("---:|" if probed else "")]
     for r in rows:
         if r["skips"]:
-            overall, steps = fmt(r["sparsity"]), " ".join(fmt(v) for _, v in sorted(r["per_step"].items()))
+            overall = fmt(r["sparsity"])
+            steps = " ".join(fmt(v) if step in r["skipping"] else "off" for step, v in sorted(r["per_step"].items()))
         else:
             overall, steps = "-", "-"
         error = (" n/a |" if r["error"] is None else f" {r['error']:.2e} |") if probed else ""

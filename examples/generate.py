@@ -133,10 +133,19 @@ def main(argv=None) -> dict:
     plan = describe_attention_plan(handle.stats)
     print("\nattention plan (what ran per step and layer; sparsity where Skip-Softmax ran and was counted):\n"
           + plan)
-    if any("skip" in mode for modes in summary["modes"].values() for mode in modes):
-        per_step = ", ".join(f"{step}: {format_number(value, 3)}" for step, value in summary["per_step"].items())
-        print(f"\nachieved sparsity per step, all layers (n/a: the backend does not count): {per_step}")
-        print(f"overall sparsity: {format_number(summary['sparsity'], 3)}")
+    skipping = handle.stats.skipping()
+    if skipping:
+        per_step = ", ".join(f"{step}: {format_number(value, 3) if step in skipping else 'off'}"
+                             for step, value in summary["per_step"].items())
+        print("\nachieved sparsity per step, over the layers that ran Skip-Softmax in it (off: none did, e.g. the "
+              f"timestep gate kept the step dense; n/a: the backend does not count): {per_step}")
+        print("overall sparsity, over the calls that ran Skip-Softmax (dense layers and steps not averaged in): "
+              f"{format_number(summary['sparsity'], 3)}")
+    ran = {mode for modes in summary["modes"].values() for mode in modes}
+    if ran <= {"TORCH_SDPA:dense"}:
+        print("\nnote: every attention call ran dense on TORCH_SDPA, as diffusers' own attention does: no feature of "
+              "diffusers_trtllm ran (auto found no TRT-LLM kernel here). On a CPU, --diffusion-attention-backend "
+              "TORCH_REFERENCE with --trtllm-gen-sage or a skip setting runs the kernels' semantics")
     if summary["error"] is not None:
         print("\naccuracy probe (relative error of what ran against exact float64 attention on the probed rows, "
               f"over its probed steps; all layers: {summary['error']:.2e}):\n" + handle.stats.error_table())

@@ -45,6 +45,16 @@ def test_demo_skip_rows_follow_the_gate(demo_rows):
     rows, _, _ = demo_rows
     skip = rows["skip λ=0.5, D=0.8"]
     per_step = [v for _, v in sorted(skip["per_step"].items())]
-    assert len(per_step) == 4 and per_step[0] == 0.0  # t = 0.999 > D: dense
-    assert skip["sparsity"] > 0 and max(per_step) > 0
+    assert len(per_step) == 4 and per_step[0] is None and 0 not in skip["skipping"]  # t = 0.999 > D: dense
+    assert skip["sparsity"] > 0 and max(v for v in per_step if v is not None) > 0
+    assert demo_table_steps(skip)[0] == "off"
+
+
+def demo_table_steps(row) -> list[str]:
+    """The demo table's sparsity-per-step cells of ``row``."""
+    from helpers import load_script
+
+    line = next(line for line in load_script("examples/demo.py").format_table([row]).splitlines()
+                if line.startswith(f"| {row['config']} |"))
+    return line.split(" | ")[5].split()
     assert skip["backends"] == "TORCH_REFERENCE"

@@ -159,6 +159,18 @@ def test_generate_with_environment_config(tmp_path, monkeypatch, capsys):
     assert "TORCH_SDPA:dense | transformer.blocks.[0-1].attn2" in printed
     assert sorted(result["summary"]["per_step"]) == [0, 1]
     assert result["transformer_seconds"] > 0
+    # the gated step says so; the overall figure says it covers only what skipped; features ran, so no note
+    assert "sparsity per step, over the layers that ran Skip-Softmax in it" in printed and "0: off, 1: " in printed
+    assert "overall sparsity, over the calls that ran Skip-Softmax" in printed
+    assert "no feature of diffusers_trtllm ran" not in printed
+
+
+def test_generate_with_its_defaults_on_a_cpu_says_no_feature_of_the_package_ran(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("DIFFUSION_ATTENTION_CONFIG", raising=False)
+    load_script("examples/generate.py").main(["--steps", "1", "--output", str(tmp_path / "fox.mp4")])
+    printed = capsys.readouterr().out
+    assert "every attention call ran dense on TORCH_SDPA" in printed and "no feature of diffusers_trtllm ran" in printed
+    assert "overall sparsity" not in printed
 
 
 def docstring_target(script: str) -> float:

@@ -62,15 +62,16 @@ def test_a_step_keeps_every_call_of_a_layer_and_zeroes_the_counters():
         (0, "transformer.a", "TORCH_REFERENCE", "skip"): CallRecord("TORCH_REFERENCE", "skip", 2, 2, 8),
         (0, "transformer.b", "TORCH_REFERENCE", "dense"): CallRecord("TORCH_REFERENCE", "dense", 1, 0, 4),
         (1, "transformer.a", "TORCH_REFERENCE", "skip"): CallRecord("TORCH_REFERENCE", "skip", 1, 4, 4)}
-    assert stats.per_step() == {0: 2 / 12, 1: 1.0}
-    assert stats.per_layer() == {"transformer.a": 6 / 12, "transformer.b": 0.0}
+    # sparsity is over the calls that ran Skip-Softmax: the dense layer b is not averaged in
+    assert stats.per_step() == {0: 2 / 8, 1: 1.0}
+    assert stats.per_layer() == {"transformer.a": 6 / 12, "transformer.b": None}
     assert stats.modes() == {0: {"TORCH_REFERENCE:skip": 1, "TORCH_REFERENCE:dense": 1},
                              1: {"TORCH_REFERENCE:skip": 1}}
-    assert stats.summary() == {"sparsity": 6 / 16, "per_step": stats.per_step(), "per_layer": stats.per_layer(),
+    assert stats.summary() == {"sparsity": 6 / 12, "per_step": stats.per_step(), "per_layer": stats.per_layer(),
                                "modes": stats.modes(), "error": None, "error_per_step": {}, "error_per_layer": {}}
     assert stats.table() == "\n".join([
         "| step | modes | sparsity | probed error | worst layer (error) |", "|---:|---|---:|---:|---|",
-        "| 0 | 1× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:skip | 0.167 | - | - |",
+        "| 0 | 1× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:skip | 0.250 | - | - |",
         "| 1 | 1× TORCH_REFERENCE:skip | 1.000 | - | - |"])
     assert AttentionStats(Run.start(2, (skipping,), torch.device("cpu"), counting=True)).summary()["sparsity"] is None
 
@@ -93,6 +94,7 @@ def test_a_backend_that_does_not_count_gives_no_sparsity_but_leaves_the_counted_
     assert records[(1, "transformer.b", "OTHER", "skip")].counted is False
     assert stats.per_layer() == {"transformer.a": 0.25, "transformer.b": None, "transformer.m": 0.75}
     assert stats.per_step() == {0: 0.5, 1: None}
+    assert [row.split(" | ")[2] for row in stats.table().splitlines()[2:]] == ["0.500", "n/a"]  # skipped, uncounted
     assert stats.summary()["sparsity"] == 4 / 8
     assert CallRecord("X", "skip", total=0).sparsity == 0.0
 
@@ -133,15 +135,15 @@ def test_the_probes_error_is_pooled_over_probed_steps_and_layers_only():
     assert stats.error_per_layer() == {"transformer.a": math.sqrt(1 / 20), "transformer.b": 1.5}
     assert stats.summary()["error"] == math.sqrt(10 / 24)
     assert stats.table().splitlines()[2:] == [
-        f"| 0 | 2× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:sage-int8 | 0.000 | {math.sqrt(10 / 8):.2e} | "
+        f"| 0 | 2× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:sage-int8 | off | {math.sqrt(10 / 8):.2e} | "
         "transformer.b (1.50e+00) |",
-        "| 1 | 2× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:sage-int8 | 0.000 | - | - |",
-        "| 2 | 2× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:sage-int8 | 0.000 | 0.00e+00 | "
+        "| 1 | 2× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:sage-int8 | off | - | - |",
+        "| 2 | 2× TORCH_REFERENCE:dense, 1× TORCH_REFERENCE:sage-int8 | off | 0.00e+00 | "
         "transformer.a (0.00e+00) |"]
     assert stats.error_table() == "\n".join([
         "| layer | ran (probed steps) | probed error | worst step (error) | sparsity |", "|---|---|---:|---:|---:|",
-        f"| transformer.a | TORCH_REFERENCE:sage-int8 | {math.sqrt(1 / 20):.2e} | 0 (5.00e-01) | 0.000 |",
-        "| transformer.b | TORCH_REFERENCE:dense | 1.50e+00 | 0 (1.50e+00) | 0.000 |"])
+        f"| transformer.a | TORCH_REFERENCE:sage-int8 | {math.sqrt(1 / 20):.2e} | 0 (5.00e-01) | off |",
+        "| transformer.b | TORCH_REFERENCE:dense | 1.50e+00 | 0 (1.50e+00) | off |"])
 
 
 def test_statistics_without_a_probed_call_have_no_error():
@@ -154,7 +156,7 @@ def test_statistics_without_a_probed_call_have_no_error():
     assert AttentionStats().summary()["sparsity"] is None
 
 
-def test_tables_say_n_a_where_nothing_was_counted_and_list_every_mode_a_probed_layer_ran():
+def test_tables_say_off_where_no_layer_skipped_and_list_every_mode_a_probed_layer_ran():
     """A layer whose backend does not count tiles, probed at two steps, with SAGE taken away by the guard after the
     first."""
     call = planned_call("a", quant=AttnQuantSpec("int8"), accuracy=AccuracySpec(), backend="OTHER")
@@ -168,7 +170,7 @@ def test_tables_say_n_a_where_nothing_was_counted_and_list_every_mode_a_probed_l
         hand.add_errors(call, [1.0, 4.0])
         stats.close_step(step)
     assert stats.table().splitlines()[2:] == [
-        "| 0 | 1× OTHER:sage-int8 | n/a | 5.00e-01 | transformer.a (5.00e-01) |",
-        "| 1 | 1× OTHER:dense | n/a | 5.00e-01 | transformer.a (5.00e-01) |"]
+        "| 0 | 1× OTHER:sage-int8 | off | 5.00e-01 | transformer.a (5.00e-01) |",
+        "| 1 | 1× OTHER:dense | off | 5.00e-01 | transformer.a (5.00e-01) |"]
     assert stats.error_table().splitlines()[2:] == [
-        "| transformer.a | OTHER:dense, OTHER:sage-int8 | 5.00e-01 | 0 (5.00e-01) | n/a |"]
+        "| transformer.a | OTHER:dense, OTHER:sage-int8 | 5.00e-01 | 0 (5.00e-01) | off |"]

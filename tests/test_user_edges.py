@@ -110,3 +110,29 @@ def test_generate_reads_the_config_file_from_the_command_line(tmp_path, capsys):
         load_script("examples/generate.py").main(["--diffusion-attention-config", str(path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(err) == 1 and "attention config is not valid JSON" in err[0], err
+
+
+# --- what the numbers mean ---------------------------------------------------------------------------------------
+
+def test_a_step_the_gate_kept_dense_says_off_and_sparsity_covers_the_layers_that_skip():
+    """Skip-Softmax on self-attention only, behind a gate at t = 0.8: the steps above it show "off", not 0.000;
+    a step's and the run's sparsity are over the self-attention calls, the dense cross-attention not averaged in."""
+    from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline
+
+    pipe = tiny_wan22_pipeline(0)
+    pipe.set_progress_bar_config(disable=True)
+    config = {"default": {"backend": "TORCH_REFERENCE"},
+              "per_role": {"self_attn": {"backend": "TORCH_REFERENCE",
+                                         "skip_softmax": {"threshold": 0.5, "disabled_until_timestep": 0.8}}}}
+    with enable_trtllm_attention(pipe, config) as handle:
+        pipe("a fox", height=96, width=160, num_frames=5, num_inference_steps=6, output_type="latent",
+             generator=torch.Generator().manual_seed(0))
+        stats = handle.stats
+    rows = [row.split(" | ") for row in stats.table().splitlines()[2:]]
+    gated = {int(row[0].strip("| ")) for row in rows if row[2] == "off"}
+    skipping = stats.skipping()
+    assert gated and skipping and gated.isdisjoint(skipping) and gated | skipping == set(stats.modes())
+    records = [rec for rec in stats.records.values() if rec.skips]
+    assert {layer.rsplit(".", 1)[-1] for (_, layer, *_), rec in stats.records.items() if rec.skips} == {"attn1"}
+    assert stats.summary()["sparsity"] == sum(r.skipped for r in records) / sum(r.total for r in records)
+    assert all(value is None for layer, value in stats.per_layer().items() if layer.endswith("attn2"))
