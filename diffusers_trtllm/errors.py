@@ -25,7 +25,8 @@ class CalibrationError(RuntimeError):
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` pointing at the user's line: the first frame outside this package, diffusers and torch
-    (a warning raised while a pipeline runs would otherwise name a line of theirs or ours)."""
+    and not generated code (a dataclass's ``__init__`` is ``<string>``): a warning raised while a pipeline runs
+    or a config is built would otherwise name a line of theirs or ours."""
     import os
     import sys
     import warnings
@@ -35,6 +36,7 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
 
     internal = tuple(os.path.dirname(module.__file__) + os.sep for module in (sys.modules[__package__], diffusers, torch))
     frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename.startswith(internal):
+    while frame is not None and (frame.f_code.co_filename.startswith(internal)
+                                 or frame.f_code.co_filename.startswith("<")):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)

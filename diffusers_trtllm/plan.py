@@ -134,6 +134,14 @@ class AttentionCall:
         return self.settings[SKIP]
 
     @property
+    def skips_somewhere(self) -> bool:
+        """Some step of a run can skip here (a calibration's ``ignore`` keeps its layers dense at every step)."""
+        if self.skip is None or not self.skip.skips:
+            return False
+        return self.skip.threshold is not None or self.calibration is None or \
+            not self.calibration.keeps_dense(self.site.layer)
+
+    @property
     def probed(self) -> bool:
         """The accuracy probe is on for this site (it needs the site's statistics)."""
         return self.accuracy is not None and self.counting

@@ -19,8 +19,9 @@ the attention op (``torch.ops.diffusers_trtllm.attention``) reaches the dispatch
 both modes active, so the backend's code is watched too.
 
 Exempt, by design: reads of host tensors. The op's ``settings`` (a float64 CPU tensor; the run's, filled once per
-step, are on the CPU too) and ``valid_lengths`` (HunyuanVideo's int CPU tensor of text lengths) are host tensors by the op's
-contract, so reading them never waits for a device; the op checks that contract here (both must be on the CPU).
+step, are on the CPU too) and ``valid_lengths`` (HunyuanVideo's int CPU tensor of text lengths) are host tensors
+by the op's contract, so reading them never waits for a device; the op checks that contract here (both must be
+on the CPU).
 Everything else read on the path would be a device sync on a GPU.
 """
 

@@ -86,7 +86,8 @@ def test_unbound_processor_refuses_what_only_install_knows(config, match):
 def test_second_install_raises_naming_the_handle():
     model = tiny_wan()
     handle = enable_trtllm_attention(model, {"default": {"backend": "TORCH_SDPA"}})
-    with pytest.raises(AttentionConfigError, match="installed by the handle returned by enable_trtllm_attention.*restore()"):
+    with pytest.raises(AttentionConfigError,
+                       match="installed by the handle returned by enable_trtllm_attention.*restore()"):
         enable_trtllm_attention(model, {"default": {"backend": "TORCH_REFERENCE"}})
     handle.restore()
     enable_trtllm_attention(model, {"default": {"backend": "TORCH_REFERENCE"}}).restore()  # after restore: fine

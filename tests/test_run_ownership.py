@@ -192,3 +192,26 @@ def pipe_inputs(pipe):
     config = pipe.transformer.config
     return dict(hidden_states=torch.randn(1, config.in_channels, 1, 8, 8), timestep=torch.tensor([500]),
                 encoder_hidden_states=torch.randn(1, 8, config.text_dim), return_dict=False)
+
+
+def test_hunyuan_video15_calls_in_two_threads_keep_their_own_text_lengths():
+    """HunyuanVideo 1.5's valid text lengths are read once per transformer call; two calls with different padding
+    at the same time each attend among their own valid tokens."""
+    from diffusers_trtllm.tiny_pipelines import tiny_hunyuan_video15_transformer
+
+    from test_hunyuan_video15 import transformer_inputs
+
+    model = tiny_hunyuan_video15_transformer()
+    inputs = {"short": transformer_inputs(text_lengths=(3, 9), glyph_lengths=(0, 5), frames=1, height=4, width=4),
+              "long": transformer_inputs(text_lengths=(24, 20), glyph_lengths=(7, 0), frames=1, height=4, width=4)}
+
+    def call(name):
+        with torch.no_grad():
+            return model(**inputs[name])[0]
+
+    with enable_trtllm_attention(model, {"default": {"backend": "TORCH_REFERENCE"}}):
+        alone = {name: call(name) for name in inputs}
+        for _ in range(TRIALS):
+            together = run_together({name: lambda name=name: call(name) for name in inputs})
+            for name, out in together.items():
+                assert torch.equal(out, alone[name]), name

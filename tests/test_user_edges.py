@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from diffusers_trtllm import AttentionConfigError, add_attention_args, config_from_args, enable_trtllm_attention
+from diffusers_trtllm import AttentionConfig, AttentionConfigError, add_attention_args, config_from_args, enable_trtllm_attention
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.config import env_switch
 
@@ -136,3 +136,24 @@ def test_a_step_the_gate_kept_dense_says_off_and_sparsity_covers_the_layers_that
     assert {layer.rsplit(".", 1)[-1] for (_, layer, *_), rec in stats.records.items() if rec.skips} == {"attn1"}
     assert stats.summary()["sparsity"] == sum(r.skipped for r in records) / sum(r.total for r in records)
     assert all(value is None for layer, value in stats.per_layer().items() if layer.endswith("attn2"))
+
+
+# --- messages -----------------------------------------------------------------------------------------------------
+
+def test_a_config_warning_points_at_the_users_line():
+    """Not at the dataclass's generated ``__init__`` (``<string>``) nor at this package."""
+    with pytest.warns(UserWarning, match=">= 1 skips nearly every KV tile") as caught:
+        AttentionConfig.coerce({"default": {"skip_softmax": {"threshold": 1.5}}})
+    assert caught[0].filename == __file__
+
+
+def test_the_vllm_omni_log_line_names_layers_a_calibration_keeps_dense_as_dense():
+    from diffusers_trtllm import SkipCalibration
+    from diffusers_trtllm.integrations.vllm_omni import backends_by_role
+
+    curve = SkipCalibration(2.0, 3.0, ignore=("blocks.0.*",))
+    config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"target_sparsity": 0.3}}}
+    with enable_trtllm_attention(tiny_wan(), config, calibrations={"transformer": curve}) as handle:
+        line = backends_by_role(handle)
+    assert line == ("transformer: self_attn TORCH_REFERENCE dense (1 layer) / TORCH_REFERENCE skip (1 layer), "
+                    "cross_attn TORCH_REFERENCE dense (1 layer) / TORCH_REFERENCE skip (1 layer)")

@@ -31,6 +31,7 @@ The per-pipeline hooks of ``PIPELINE_UTILS_REGISTRY`` cannot do it instead: they
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import logging
@@ -180,16 +181,23 @@ def checked_config(pipeline, vllm_omni_config) -> AttentionConfig:
     return config
 
 
-def install_on_pipeline(pipeline, config: AttentionConfig):
-    """Install this package's processors on every transformer of ``pipeline`` (loaded by vLLM-Omni's diffusers
-    adapter) and say so in vLLM-Omni's log: the backend of each role, and what the install warned about (a
-    warning goes to stderr once per process, which a server's log may not show). Returns the
-    :class:`~diffusers_trtllm.TrtllmAttentionHandle`."""
+@contextlib.contextmanager
+def warnings_to_vllm_log():
+    """What this package warns about inside goes to vLLM-Omni's log (a warning goes to stderr once per process,
+    which a server's log may not show), once per message."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        handle = enable_trtllm_attention(pipeline, config, collect_stats=env_switch(COLLECT_STATS_ENV))
+        yield
     for message in dict.fromkeys(str(w.message) for w in caught):
         logger.warning("%s", message)
+
+
+def install_on_pipeline(pipeline, config: AttentionConfig):
+    """Install this package's processors on every transformer of ``pipeline`` (loaded by vLLM-Omni's diffusers
+    adapter) and say so in vLLM-Omni's log: the backend of each role, and what the install warned about. Returns
+    the :class:`~diffusers_trtllm.TrtllmAttentionHandle`."""
+    with warnings_to_vllm_log():
+        handle = enable_trtllm_attention(pipeline, config, collect_stats=env_switch(COLLECT_STATS_ENV))
     logger.info("TRTLLM_ATTN for %s is served by diffusers_trtllm %s: %s (config %s)", type(pipeline).__name__,
                 __version__, backends_by_role(handle), config.to_json())
     return handle
@@ -200,7 +208,7 @@ def backends_by_role(handle) -> str:
     layers), cross_attn TORCH_SDPA dense (40 layers)``; a role whose layers differ lists each kind."""
     runs: dict[str, dict[str, Counter]] = {}
     for site, call in handle.planner.calls.items():
-        kind = f"{call.backend} {call.mode(call.skip is not None)}"
+        kind = f"{call.backend} {call.mode(call.skips_somewhere)}"
         runs.setdefault(site.component, {}).setdefault(site.role, Counter())[kind] += 1
     return "; ".join(
         f"{component}: " + ", ".join(
@@ -226,7 +234,8 @@ def _set_attention_backend_wrapper(original, version: str):
             return original(adapter)
         if version != TESTED_VLLM_OMNI:
             raise _untested_version_error(version)
-        config = checked_config(adapter._pipeline, selected_config)
+        with warnings_to_vllm_log():  # e.g. a threshold >= 1, warned while the config is read
+            config = checked_config(adapter._pipeline, selected_config)
         default = selected_config.default
         if default is None or default.backend.upper() != TRTLLM_ATTN:
             # vLLM-Omni's dense default stays on the attention modules this package's processors do not serve

@@ -12,9 +12,9 @@ Padded positions get 0, as PyTorch's SDPA gives fully masked rows; they never re
 lengths are read on the host once per transformer call, by a pre-hook on the first block that binds its
 ``attention_mask`` argument by name and keeps them on that mask tensor, which the transformer builds anew for
 each call and passes to every block: they belong to the call, whichever thread makes it. The processors of the
-other blocks reuse them (the unbound ``set_attn_processor`` form reads the mask where it arrives). The projections are diffusers' modules and
-``apply_rotary_emb``, in diffusers' order; only the mask handling differs, which is why this processor has its
-own ``__call__``.
+other blocks reuse them (the unbound ``set_attn_processor`` form reads the mask where it arrives). The
+projections are diffusers' modules and ``apply_rotary_emb``, in diffusers' order; only the mask handling
+differs, which is why this processor has its own ``__call__``.
 
 The text refiner (``context_embedder.token_refiner``) uses the same ``Attention`` class with diffusers'
 ``AttnProcessor2_0``; ``enable_trtllm_attention`` leaves it as it is, and the unbound form hands refiner calls to

@@ -92,6 +92,11 @@ def test_per_role_settings_reach_the_processors(pipeline_dir, plugins_loaded, on
     assert all(counts == {"TRTLLM_ATTN:sage-int8+skip": 2, "TORCH_SDPA:dense": 2} for counts in modes.values())
 
 
+def test_a_threshold_at_or_above_1_is_warned_in_vllms_log(pipeline_dir, plugins_loaded, on_reference, vllm_log):
+    load_adapter(pipeline_dir, {"default": {"backend": "TRTLLM_ATTN", "skip_softmax": {"threshold": 1.5}}})
+    assert len(vllm_log.messages("skip_softmax.threshold=1.5 >= 1 skips nearly every KV tile")) == 1
+
+
 def test_trtllm_attn_selected_by_role_only_keeps_the_rest_dense(pipeline_dir, plugins_loaded, on_reference):
     adapter = load_adapter(pipeline_dir, {"per_role": {"self_attn": {"backend": "TRTLLM_ATTN",
                                                                      "quant": {"dtype_qk": "fp8_e4m3"}}}})
