@@ -77,14 +77,21 @@ def video_phases(text: str) -> dict[str, list[tuple[str, dict[str, float], float
     return models
 
 
+def block_words(k_block: int, kv_step: int) -> str:
+    """A FMHAv2 SAGE column's blocks in words: ``k0, 256`` is one K scale per sequence and head, 256-key steps."""
+    scale = "K scale per sequence and head" if k_block == 0 else f"K scale per {k_block} keys"
+    return f"{scale}, {kv_step}-key steps"
+
+
 def skip_curve(text: str) -> tuple[list[float], dict[str, list[float]]]:
     """The published-curve table: the s values and, per kernel column, × cuDNN at each."""
     rows = table_after(text, CURVE_TABLE)
     curves, kernel = {}, ""
     for column in (c for c in rows[0] if c not in ("s", "sparsity")):
         # a column titled by its blocks alone ("k64, 256") is a variant of the kernel before it
-        label = f"{kernel} ({column})" if re.match(r"k\d", column) else column
-        kernel = label.split(" (")[0]
+        kernel = column.split(" (")[0] if not re.match(r"k\d", column) else kernel
+        blocks = re.search(r"k(\d+), (\d+)", column)
+        label = f"{kernel} ({block_words(*map(int, blocks.groups()))})" if blocks else column
         curves[label] = [ratio(row[column], f"s = {row['s']}, {column}") for row in rows]
     return [number(row["s"], "s") for row in rows], curves
 

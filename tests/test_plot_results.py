@@ -44,8 +44,9 @@ def test_the_video_plot_reads_every_configuration_that_ran_and_its_phases():
 def test_the_curve_plot_reads_each_kernels_ratio_and_names_the_block_variants():
     s_values, curves = plots.skip_curve(TABLES)
     assert s_values == [0.3, 0.65]
-    assert curves == {"FMHAv2 bf16 + skip": [1.09, 1.39], "FMHAv2 SAGE fp8 + skip (k0, 256)": [1.65, 2.04],
-                      "FMHAv2 SAGE fp8 + skip (k64, 256)": [1.48, 1.87]}
+    assert curves == {"FMHAv2 bf16 + skip": [1.09, 1.39],
+                      "FMHAv2 SAGE fp8 + skip (K scale per sequence and head, 256-key steps)": [1.65, 2.04],
+                      "FMHAv2 SAGE fp8 + skip (K scale per 64 keys, 256-key steps)": [1.48, 1.87]}
 
 
 def test_the_plots_of_the_repositorys_results_are_written(tmp_path):
