@@ -40,8 +40,8 @@ from collections import Counter
 
 import torch
 
-from ..config import (TORCH_SDPA, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec,
-                      env_switch)
+from ..config import (TORCH_REFERENCE, TORCH_SDPA, TRTLLM_ATTN, AttentionConfig, AttentionSpec, AttnQuantSpec,
+                      SkipSoftmaxSpec, canonical_backend, env_switch)
 from ..errors import AttentionConfigError, BackendUnavailableError, invalid
 from ..install import enable_trtllm_attention
 from ..version import __version__
@@ -58,6 +58,8 @@ HANDLE_ATTRIBUTE = "trtllm_attention"
 COLLECT_STATS_ENV = "DIFFUSERS_TRTLLM_COLLECT_STATS"
 # vLLM-Omni backends the processors can run for roles that do not select TRTLLM_ATTN
 DENSE_BACKENDS = (TORCH_SDPA,)
+# what the plugin serves itself (vLLM-Omni knows neither ``trtllm-gen`` nor ``TORCH_REFERENCE``)
+SERVED_BACKENDS = (TRTLLM_ATTN, TORCH_REFERENCE)
 # vLLM-Omni's SAGE V dtype; this package's SAGE always quantizes V per channel to fp8 e4m3
 SAGE_V_DTYPE = "fp8_e4m3"
 PROBE_TOKENS, PROBE_HEAD_DIM = 128, 128  # one tile at the head_dim every TRT-LLM kernel takes
@@ -76,11 +78,21 @@ def _named_specs(config) -> list[tuple[str, object]]:
     return named + [(f"per_role[{key!r}]", spec) for key, spec in config.per_role.items()]
 
 
+def served_here(backend) -> bool:
+    """Whether a vLLM-Omni spec's backend is one this package serves: ``TRTLLM_ATTN`` (alias ``trtllm-gen``) or
+    its PyTorch reference ``TORCH_REFERENCE``, which vLLM-Omni itself does not know."""
+    try:
+        return canonical_backend(backend) in SERVED_BACKENDS
+    except AttentionConfigError:
+        return False
+
+
 def trtllm_selected_by(config) -> tuple[str, ...]:
-    """Where vLLM-Omni's ``AttentionConfig`` selects ``TRTLLM_ATTN`` (``"default"``, ``"per_role['self']"``)."""
+    """Where vLLM-Omni's ``AttentionConfig`` selects this package's backends (``"default"``,
+    ``"per_role['self']"``)."""
     if config is None:
         return ()
-    return tuple(where for where, spec in _named_specs(config) if spec.backend.upper() == TRTLLM_ATTN)
+    return tuple(where for where, spec in _named_specs(config) if served_here(spec.backend))
 
 
 def attention_config_from_vllm_omni(config) -> AttentionConfig:
@@ -98,8 +110,8 @@ def attention_config_from_vllm_omni(config) -> AttentionConfig:
 
 
 def _spec_from_vllm_omni(where: str, spec) -> AttentionSpec:
-    backend = spec.backend.upper()
-    valid = [TRTLLM_ATTN, *DENSE_BACKENDS]
+    valid = [*SERVED_BACKENDS, *DENSE_BACKENDS]
+    backend = canonical_backend(spec.backend) if served_here(spec.backend) else spec.backend.upper()
     if backend not in valid:
         raise AttentionConfigError(
             f"diffusion_attention_config.{where}.backend={spec.backend!r} cannot be combined with TRTLLM_ATTN on "
@@ -237,7 +249,7 @@ def _set_attention_backend_wrapper(original, version: str):
         with warnings_to_vllm_log():  # e.g. a threshold >= 1, warned while the config is read
             config = checked_config(adapter._pipeline, selected_config)
         default = selected_config.default
-        if default is None or default.backend.upper() != TRTLLM_ATTN:
+        if default is None or not served_here(default.backend):
             # vLLM-Omni's dense default stays on the attention modules this package's processors do not serve
             # (HunyuanVideo 1.5's text refiner, for one).
             original(adapter)

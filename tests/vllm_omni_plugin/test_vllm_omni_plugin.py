@@ -155,3 +155,16 @@ def test_an_untested_vllm_omni_version_refuses_trtllm_attn_only(pipeline_dir, pl
         load_adapter(pipeline_dir, {"default": {"backend": "TRTLLM_ATTN"}})
     adapter = load_adapter(pipeline_dir, {"default": {"backend": "TORCH_SDPA"}})
     assert not hasattr(adapter, plugin.HANDLE_ATTRIBUTE)
+
+
+@pytest.mark.parametrize("backend, served", [("trtllm-gen", "TRTLLM_ATTN"), ("TORCH_REFERENCE", "TORCH_REFERENCE")])
+def test_the_readmes_spellings_are_served_by_the_plugin(pipeline_dir, plugins_loaded, on_reference, backend, served):
+    """vLLM-Omni knows neither ``trtllm-gen`` (this package's alias of TRTLLM_ATTN) nor ``TORCH_REFERENCE``; the
+    plugin serves both instead of leaving vLLM-Omni's bare refusal. (With ``skip_softmax`` or ``quant``
+    vLLM-Omni's own parser asks for the name TRTLLM_ATTN and says so: docs/vllm-omni.md.)"""
+    adapter = load_adapter(pipeline_dir, {"default": {"backend": backend},
+                                          "per_role": {"cross": {"backend": "TORCH_SDPA"}}})
+    generate(adapter)
+    modes = getattr(adapter, plugin.HANDLE_ATTRIBUTE).stats.modes()
+    ran = {mode for counts in modes.values() for mode in counts}
+    assert ran == {f"{served}:dense", "TORCH_SDPA:dense"}
