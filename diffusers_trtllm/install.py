@@ -67,11 +67,15 @@ class TrtllmAttentionHandle:
 
 def pipeline_transformers(pipe) -> dict[str, torch.nn.Module]:
     """The pipeline's transformer components that are present (``transformer_2`` may be None); a bare
-    transformer is its own ``transformer`` component."""
-    if isinstance(pipe, torch.nn.Module):
-        return {"transformer": pipe}
-    found = {name: getattr(pipe, name, None) for name in TRANSFORMER_COMPONENTS}
-    return {name: module for name, module in found.items() if module is not None}
+    transformer is its own ``transformer`` component. A transformer compiled whole before install
+    (``torch.compile(transformer)``) is installed through: the module it compiled."""
+    found = {"transformer": pipe} if isinstance(pipe, torch.nn.Module) else \
+        {name: getattr(pipe, name, None) for name in TRANSFORMER_COMPONENTS}
+    return {name: _compiled_module(module) for name, module in found.items() if module is not None}
+
+
+def _compiled_module(module: torch.nn.Module) -> torch.nn.Module:
+    return module._orig_mod if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else module
 
 
 def plan_device(transformers) -> torch.device:

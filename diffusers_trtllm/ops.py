@@ -52,6 +52,19 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
     return AttnQuantSpec.from_dict(json.loads(text)) if text else None
 
 
+_OUTSIDE_A_RUN: set[int] = set()
+
+
+def _outside_a_run(owner: int) -> None:
+    """Say once per handle that an installed call ran outside any run (nothing of it is counted)."""
+    if owner not in _OUTSIDE_A_RUN:
+        _OUTSIDE_A_RUN.add(owner)
+        warn_user("diffusers_trtllm: attention ran outside any run, so handle.stats does not count it and a timestep "
+                  "gate keeps Skip-Softmax and the SAGE schedule as at no timestep. A transformer compiled whole "
+                  "skips the pre-hook that starts a bare transformer's runs: compile it per block "
+                  "(compile_repeated_blocks), or call it inside transformer.cache_context(...)")
+
+
 @torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
               settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str, per_kv_len: bool,
@@ -67,8 +80,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
     it is checked (explicit) or chosen (``auto``) here, once per kind of call.
     """
     own = settings.tolist()
-    site = int(own[SITE])
-    run = open_run(int(own[OWNER]))
+    site, owner = int(own[SITE]), int(own[OWNER])
+    run = open_run(owner)
+    if run is None and owner:
+        _outside_a_run(owner)
     value, sage, probe_rows = run.settings[site].tolist() if run is not None else own[:SETTINGS]
     qkv, rows = packed_problem(q, k, v, valid_lengths)
     if run is not None and run.probing[site]:

@@ -7,11 +7,12 @@ import os
 import pytest
 import torch
 
-from diffusers_trtllm import AttentionConfig, AttentionConfigError, add_attention_args, config_from_args, enable_trtllm_attention
+from diffusers_trtllm import (AttentionConfig, AttentionConfigError, add_attention_args, config_from_args,
+                              enable_trtllm_attention)
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.config import env_switch
 
-from helpers import load_script, tiny_wan, wan_inputs
+from helpers import load_script, pipeline_context, tiny_wan, wan_inputs
 
 SWITCHES = [TRTLLM_ON_REFERENCE_ENV, "TRTLLM_GEN_SAGE", "DIFFUSERS_TRTLLM_COLLECT_STATS"]
 
@@ -157,3 +158,27 @@ def test_the_vllm_omni_log_line_names_layers_a_calibration_keeps_dense_as_dense(
         line = backends_by_role(handle)
     assert line == ("transformer: self_attn TORCH_REFERENCE dense (1 layer) / TORCH_REFERENCE skip (1 layer), "
                     "cross_attn TORCH_REFERENCE dense (1 layer) / TORCH_REFERENCE skip (1 layer)")
+
+
+def test_a_transformer_compiled_before_install_is_installed_through():
+    """``pipe.transformer = torch.compile(pipe.transformer)`` then install: the processors go onto the module it
+    compiled, which recompiles on its next call; restore puts diffusers' back."""
+    model = tiny_wan()
+    inputs = wan_inputs(batch=1, frames=1, height=8, width=8)
+    config = {"default": {"backend": "TORCH_REFERENCE", "quant": {"dtype_qk": "int8"}}}
+    with enable_trtllm_attention(model, config), torch.no_grad():
+        expected = model(**inputs)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        compiled(**inputs)
+    with enable_trtllm_attention(compiled, config) as handle, torch.no_grad():
+        with pytest.warns(UserWarning, match="attention ran outside any run, so handle.stats does not count it"):
+            got = compiled(**inputs)[0]  # compiled whole: the pre-hook that starts a bare transformer's runs is skipped
+        assert {type(p).__name__ for p in model.attn_processors.values()} == {"WanTrtllmAttnProcessor"}
+        assert handle.stats.modes() == {}
+        with pipeline_context(compiled):  # as a pipeline calls it: a run of its own, counted
+            compiled(**inputs)
+        assert {mode for modes in handle.stats.modes().values() for mode in modes} == {"TORCH_REFERENCE:sage-int8"}
+    assert torch.equal(got, expected)
+    assert {type(p).__name__ for p in model.attn_processors.values()} == {"WanAttnProcessor"}
