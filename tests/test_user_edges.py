@@ -182,3 +182,28 @@ def test_a_transformer_compiled_before_install_is_installed_through():
         assert {mode for modes in handle.stats.modes().values() for mode in modes} == {"TORCH_REFERENCE:sage-int8"}
     assert torch.equal(got, expected)
     assert {type(p).__name__ for p in model.attn_processors.values()} == {"WanAttnProcessor"}
+
+
+# --- set-up ---------------------------------------------------------------------------------------------------------
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_the_development_guides_example_command_selects_tests():
+    import re
+    import subprocess
+    import sys
+
+    text = (ROOT / "docs" / "development.md").read_text()
+    command = re.search(r"`python -m pytest -q (tests/[^`]+)`", text).group(1).split()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                           *command], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and " tests collected" in proc.stdout, proc.stdout[-500:]
+
+
+@pytest.mark.parametrize("written", ["evaluation_out/report.json", "calibrated_tiny/config.json", "output.mp4"])
+def test_what_the_examples_write_by_default_is_ignored_by_git(written):
+    import subprocess
+
+    proc = subprocess.run(["git", "check-ignore", "-q", written], cwd=ROOT)
+    assert proc.returncode == 0, written
