@@ -128,12 +128,7 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
     if not lambdas or bad:
         raise ValueError(f"lambdas={bad or list(lambdas)} is invalid: expected a non-empty list of λ in (0, 1] "
                          "(λ > 1 skips nearly everything and cannot be counted exactly in one pass)")
-    if not (isinstance(tile, (tuple, list)) and len(tile) == 2
-            and all(type(side) is int and side > 0 for side in tile)):
-        raise invalid("tile", tile, "(query rows, key columns), two positive ints such as (128, 128)")
-    tile = tuple(tile)
-    if kv_step is not None and not (type(kv_step) is int and kv_step > 0 and kv_step % tile[1] == 0):
-        raise invalid("kv_step", kv_step, f"a positive multiple of the tile's {tile[1]} key columns, or None")
+    tile = checked_tiles(tile, kv_step)
     sparse_roles = default_sparse_roles(pipe) if sparse_roles is None else tuple(sparse_roles)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     sparse = {"backend": backend, "skip_softmax": {"threshold": PROBE_THRESHOLD,
@@ -188,6 +183,17 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
                                 "ignore": list(ignore), "counting": "dense running max (exact for λ <= 1)"},
                 "versions": _versions()}
     return CalibrationResult(fits, settings)
+
+
+def checked_tiles(tile, kv_step: int | None) -> tuple[int, int]:
+    """``tile`` as a tuple, after checking it and ``kv_step`` as :func:`calibrate` takes them (a script checks
+    them before loading a model)."""
+    if not (isinstance(tile, (tuple, list)) and len(tile) == 2
+            and all(type(side) is int and side > 0 for side in tile)):
+        raise invalid("tile", tile, "(query rows, key columns), two positive ints such as (128, 128)")
+    if kv_step is not None and not (type(kv_step) is int and kv_step > 0 and kv_step % tile[1] == 0):
+        raise invalid("kv_step", kv_step, f"a positive multiple of the tile's {tile[1]} key columns, or None")
+    return tuple(tile)
 
 
 def _nothing_counted(pipe, served: dict, sparse_roles, gate: float) -> CalibrationError:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from diffusers_trtllm import CalibrationResult, SkipSoftmaxSpec, calibrate
+from diffusers_trtllm.skip_calibration import checked_tiles
 from evaluation import MODELS, ModelEntry, VideoShape, from_pretrained, resolve_model
 from evaluation.cli import (ArgumentParser, check_device, check_output, check_shape, default_device, plain_warnings,
                             positive_int, require_packages, user_errors)
@@ -154,6 +155,7 @@ def main(argv=None) -> CalibrationResult:
                      "0 < min < max <= 1")
     with user_errors(parser):  # the suggested target and the gate are checked as the checkpoint will check them
         SkipSoftmaxSpec(target_sparsity=args.target_sparsity, disabled_until_timestep=args.gate)
+        checked_tiles(tuple(args.tile), args.kv_step)
     if not 0.0 <= args.fit_range[0] < args.fit_range[1] <= 1.0:
         parser.error(f"--fit-range {args.fit_range[0]:g} {args.fit_range[1]:g} is invalid: expected 0 <= low < high "
                      "<= 1")

@@ -207,3 +207,78 @@ def test_what_the_examples_write_by_default_is_ignored_by_git(written):
 
     proc = subprocess.run(["git", "check-ignore", "-q", written], cwd=ROOT)
     assert proc.returncode == 0, written
+
+
+# --- the examples' range arguments at their boundaries -------------------------------------------------------------
+
+class ReachedTheWork(Exception):
+    pass
+
+
+CALIBRATE_RANGES = [
+    (["--lambda-max", "1.0"], None), (["--lambda-max", "1.0001"], "--lambda-min 1e-06 / --lambda-max 1.0001"),
+    (["--lambda-min", "0"], "--lambda-min 0 / --lambda-max 1 are invalid"),
+    (["--lambda-min", "0.5", "--lambda-max", "0.5"], "expected 0 < min < max <= 1"),
+    (["--fit-range", "0", "1"], None), (["--fit-range", "0.5", "0.5"], "--fit-range 0.5 0.5 is invalid"),
+    (["--fit-range", "-0.01", "0.9"], "--fit-range -0.01 0.9 is invalid"),
+    (["--fit-range", "0.1", "1.01"], "--fit-range 0.1 1.01 is invalid"),
+    (["--gate", "1.0"], None), (["--gate", "1.5"], "disabled_until_timestep=1.5 is invalid"),
+    (["--target-sparsity", "0"], None), (["--target-sparsity", "1"], None),
+    (["--target-sparsity", "1.01"], "target_sparsity=1.01 is invalid"),
+    (["--kv-step", "256"], None), (["--kv-step", "200"], "kv_step=200 is invalid"),
+]
+
+
+@pytest.mark.parametrize("argv, refused", CALIBRATE_RANGES, ids=[" ".join(a) for a, _ in CALIBRATE_RANGES])
+def test_calibrates_range_arguments_at_their_boundaries(argv, refused, tmp_path, capsys, monkeypatch):
+    """Each boundary either reaches the work (the pipeline is loaded) or stops before it in one line, exit 2."""
+    module = load_script("examples/calibrate.py")
+    monkeypatch.setattr(module, "load_pipeline", lambda *a, **k: (_ for _ in ()).throw(ReachedTheWork()))
+    if refused is None:
+        with pytest.raises(ReachedTheWork):
+            module.main(argv + ["--output-dir", str(tmp_path / "out")])
+        return
+    with pytest.raises(SystemExit) as stopped:
+        module.main(argv + ["--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and refused in err[0], err
+
+
+GENERATE_RANGES = [
+    (["--trtllm-gen-target-sparsity", "0"], None), (["--trtllm-gen-target-sparsity", "1"], None),
+    (["--trtllm-gen-target-sparsity", "-0.1"], "target_sparsity=-0.1 is invalid"),
+    (["--trtllm-gen-disabled-until-timestep", "1"], None),
+    (["--trtllm-gen-disabled-until-timestep", "1.2"], "disabled_until_timestep=1.2 is invalid"),
+    (["--frames", "1"], None), (["--frames", "2"], "--frames 2 is invalid"),
+]
+
+
+@pytest.mark.parametrize("argv, refused", GENERATE_RANGES, ids=[" ".join(a) for a, _ in GENERATE_RANGES])
+def test_generates_range_arguments_at_their_boundaries(argv, refused, tmp_path, capsys, monkeypatch):
+    module = load_script("examples/generate.py")
+    monkeypatch.setattr(module, "load_model", lambda *a, **k: (_ for _ in ()).throw(ReachedTheWork()))
+    argv = argv + ["--diffusion-attention-backend", "TORCH_REFERENCE", "--output", str(tmp_path / "fox.mp4")]
+    if refused is None:
+        with pytest.raises(ReachedTheWork):
+            module.main(argv)
+        return
+    with pytest.raises(SystemExit) as stopped:
+        module.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and refused in err[0], err
+
+
+# --- the vLLM-Omni plugin's defaults with their variables unset ---------------------------------------------------
+
+def test_the_plugin_collects_no_statistics_with_its_variable_unset(monkeypatch):
+    from diffusers_trtllm.integrations.vllm_omni import COLLECT_STATS_ENV, install_on_pipeline
+
+    monkeypatch.delenv(COLLECT_STATS_ENV, raising=False)
+    handle = install_on_pipeline(tiny_wan(), AttentionConfig.coerce({"default": {"backend": "TORCH_REFERENCE"}}))
+    try:
+        assert handle.planner.collect_stats is False
+    finally:
+        handle.restore()
+    monkeypatch.setenv(COLLECT_STATS_ENV, "yes")
+    with install_on_pipeline(tiny_wan(), AttentionConfig()) as handle:
+        assert handle.planner.collect_stats is True
