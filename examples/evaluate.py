@@ -142,6 +142,7 @@ def run_config(pipe, entry: ModelEntry, config: EvalConfig, shape: VideoShape, a
     record.transformer_s, record.transformer_calls = sum(calls), len(calls)
     summary = handle.stats.summary()
     record.sparsity, record.per_step = summary["sparsity"], summary["per_step"]
+    record.skipped = bool(handle.stats.skipping())
     backends = sorted({mode.split(":")[0] for modes in summary["modes"].values() for mode in modes})
     record.ran_on = "sageattention (via TORCH_SDPA calls)" if config.peer else ", ".join(backends)
     plan = describe_attention_plan(handle.stats)

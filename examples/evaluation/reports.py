@@ -164,6 +164,8 @@ class RunRecord:
     transformer_s: float | None = None
     transformer_calls: int = 0
     sparsity: float | None = None
+    #: some call ran Skip-Softmax (else the sparsity column says "off")
+    skipped: bool = False
     per_step: dict = field(default_factory=dict)
     lpips: float | None = None
     psnr: float | None = None
@@ -186,7 +188,7 @@ class RunRecord:
                 format_number(self.lpips, 4), format_number(self.psnr, 2), format_number(self.ssim, 4),
                 format_number(self.speedup_transformer, 3, "×"), format_number(self.speedup_run, 3, "×"),
                 format_number(self.transformer_s, 3), format_number(self.run_s, 3),
-                format_number(self.sparsity, 3), self.note]
+                format_number(self.sparsity, 3) if self.skipped else "off", self.note]
 
 
 RESULT_COLUMNS = ("Model", "config", "ran on", "D", "LPIPS ↓", "PSNR (dB) ↑", "SSIM ↑", "speed-up (transformer)",
