@@ -116,7 +116,7 @@ def test_blocks_compile_fullgraph_and_match_eager(name, config, backend, cosmos3
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["wan", "cosmos3"])
 def test_whole_model_compiles_fullgraph_and_matches_eager(name, backend, cosmos3_call):
-    """The scheduler-driven clock puts no hook on the transformer: the whole model is one graph."""
+    """The run tracker's timestep pre-hook steps aside while compiling: the whole model is one graph."""
     model, inputs, _ = model_call(name, cosmos3_call)
     config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.3}}}
     with enable_trtllm_attention(model, config):

@@ -1,4 +1,4 @@
-"""Who owns which state: a call's settings travel with the call, a run's clock belongs to the handle.
+"""Who owns which state: a call's settings travel with the call, a run belongs to the pipeline call that makes it.
 
 Ordinary diffusers code must not change what runs: replacing ``pipe.scheduler`` after install, two pipelines in
 two threads, one scheduler shared by two pipelines, a direct transformer call between pipeline calls, a bare

@@ -229,19 +229,26 @@ CALIBRATE_RANGES = [
 ]
 
 
-@pytest.mark.parametrize("argv, refused", CALIBRATE_RANGES, ids=[" ".join(a) for a, _ in CALIBRATE_RANGES])
-def test_calibrates_range_arguments_at_their_boundaries(argv, refused, tmp_path, capsys, monkeypatch):
-    """Each boundary either reaches the work (the pipeline is loaded) or stops before it in one line, exit 2."""
-    module = load_script("examples/calibrate.py")
-    monkeypatch.setattr(module, "load_pipeline", lambda *a, **k: (_ for _ in ()).throw(ReachedTheWork()))
+def reaches_the_work_or_stops_in_one_line(script: str, loader: str, argv: list[str], refused: str | None,
+                                          capsys, monkeypatch) -> None:
+    """Run ``script`` with ``argv``: with ``refused`` None it reaches the work (``loader`` is called), else it stops
+    before, one line holding ``refused`` on stderr, exit 2."""
+    module = load_script(f"examples/{script}")
+    monkeypatch.setattr(module, loader, lambda *a, **k: (_ for _ in ()).throw(ReachedTheWork()))
     if refused is None:
         with pytest.raises(ReachedTheWork):
-            module.main(argv + ["--output-dir", str(tmp_path / "out")])
+            module.main(argv)
         return
     with pytest.raises(SystemExit) as stopped:
-        module.main(argv + ["--output-dir", str(tmp_path / "out")])
+        module.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(err) == 1 and refused in err[0], err
+
+
+@pytest.mark.parametrize("argv, refused", CALIBRATE_RANGES, ids=[" ".join(a) for a, _ in CALIBRATE_RANGES])
+def test_calibrates_range_arguments_at_their_boundaries(argv, refused, tmp_path, capsys, monkeypatch):
+    reaches_the_work_or_stops_in_one_line("calibrate.py", "load_pipeline", argv + ["--output-dir", str(tmp_path)],
+                                          refused, capsys, monkeypatch)
 
 
 GENERATE_RANGES = [
@@ -255,17 +262,8 @@ GENERATE_RANGES = [
 
 @pytest.mark.parametrize("argv, refused", GENERATE_RANGES, ids=[" ".join(a) for a, _ in GENERATE_RANGES])
 def test_generates_range_arguments_at_their_boundaries(argv, refused, tmp_path, capsys, monkeypatch):
-    module = load_script("examples/generate.py")
-    monkeypatch.setattr(module, "load_model", lambda *a, **k: (_ for _ in ()).throw(ReachedTheWork()))
     argv = argv + ["--diffusion-attention-backend", "TORCH_REFERENCE", "--output", str(tmp_path / "fox.mp4")]
-    if refused is None:
-        with pytest.raises(ReachedTheWork):
-            module.main(argv)
-        return
-    with pytest.raises(SystemExit) as stopped:
-        module.main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and refused in err[0], err
+    reaches_the_work_or_stops_in_one_line("generate.py", "load_model", argv, refused, capsys, monkeypatch)
 
 
 # --- the vLLM-Omni plugin's defaults with their variables unset ---------------------------------------------------
