@@ -157,6 +157,9 @@ def test_a_third_party_patch_of_the_pipeline_class_stays_theirs():
         assert WanPipeline.__call__ is patched
         request(pipe, 2)
         assert len(calls) == 2
+        other = tiny_pipe(seed=1)  # installed later: no class of this package's could carry anyone's patch
+        with enable_trtllm_attention(other, GATED):
+            assert type(other) is WanPipeline
     finally:
         WanPipeline.__call__ = original_call
 
