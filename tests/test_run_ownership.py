@@ -218,3 +218,17 @@ def test_hunyuan_video15_calls_in_two_threads_keep_their_own_text_lengths():
             together = run_together({name: lambda name=name: call(name) for name in inputs})
             for name, out in together.items():
                 assert torch.equal(out, alone[name]), name
+
+
+def test_runs_do_not_pile_up_over_many_requests():
+    """Memory stays flat: a finished thread's runs go with it; the handle keeps the last run that ended anywhere,
+    this thread its own last run."""
+    from diffusers_trtllm.run_state import Run
+
+    pipe = tiny_pipe()
+    with enable_trtllm_attention(pipe, GATED):
+        for _ in range(3):
+            run_together({name: lambda: request(scoped(pipe), 2) for name in ("a", "b")})
+        request(pipe, 2)
+        gc.collect()
+        assert len([obj for obj in gc.get_objects() if isinstance(obj, Run)]) <= 2
