@@ -8,10 +8,12 @@ diffusers' attention dispatcher.
   diffusers attention (no mask, no dropout; the backend's own limits: head_dim, dtype, GPU) with the default spec
   set by :func:`set_dispatch_config`, this backend's own explicit setting. Incompatible calls raise with the reason.
 
-Context parallelism: under ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))`` the Ulysses all-to-all
-of diffusers runs around this package's attention (each rank then sees the whole sequence for its heads, so
-Skip-Softmax and SAGE decide exactly as on one GPU). Ring attention needs the log-sum-exp of partial results,
-which this package's attention does not return: it raises.
+Context parallelism: under ``enable_parallelism(ContextParallelConfig(...))`` diffusers' own machinery runs around
+this package's attention. Ulysses (each rank then sees the whole sequence for its heads, so Skip-Softmax and SAGE
+decide exactly as on one GPU); ring and Ulysses × ring, which merge partial results over key chunks by their
+log-sum-exp, on a backend that returns it (``TORCH_REFERENCE``; another refuses the call naming it). Under ring,
+each key chunk is attended on its own: Skip-Softmax tests a tile against the chunk's running max, SAGE smooths K and
+scales K and V per chunk, and the log-sum-exp carries K's smoothing mean back, so chunks merge exactly.
 """
 
 from __future__ import annotations
@@ -74,19 +76,20 @@ set_dispatch_config(None)
 
 def run_attention(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                   scale: float | None = None, valid_lengths: torch.Tensor | None = None,
-                  parallel_config=None) -> torch.Tensor:
+                  parallel_config=None, return_lse: bool = False):
     """One attention call of ``[B, S, H, D]`` tensors as ``call`` plans it (causal or not is the call's role's).
     ``valid_lengths`` (int CPU tensor ``[B]``) restricts each sample to its first tokens; ``parallel_config`` is
-    the processor's diffusers context-parallel config, or None."""
+    the processor's diffusers context-parallel config, or None. ``return_lse``: ``(out, lse [B, Sq, Hq])``."""
     if parallel_config is None or parallel_config.context_parallel_config is None:
-        return _run(call, query, key, value, scale, valid_lengths)
-    return _context_parallel(call, valid_lengths, query, key, value, scale, parallel_config)
+        return _run(call, query, key, value, scale, valid_lengths, return_lse)
+    return _context_parallel(call, valid_lengths, query, key, value, scale, parallel_config, return_lse)
 
 
-def _run(call: AttentionCall, query, key, value, scale, valid_lengths) -> torch.Tensor:
+def _run(call: AttentionCall, query, key, value, scale, valid_lengths, return_lse: bool = False):
+    """The call's attention (and, with ``return_lse``, each query row's log-sum-exp ``[B, Sq, Hq]``)."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    if (call.backend == TORCH_SDPA and call.planned and valid_lengths is None and call.probe is None
-            and call.accuracy is None and not (call.counting and torch.compiler.is_compiling())):
+    if (not return_lse and call.backend == TORCH_SDPA and call.planned and valid_lengths is None
+            and call.probe is None and call.accuracy is None and not (call.counting and torch.compiler.is_compiling())):
         # TORCH_SDPA's own function outside the op: traced by inductor where nothing is counted; in eager runs a
         # counted call is counted here, on the host (a compiled one goes through the op, which finds its run).
         out = sdpa_attention(query, key, value, scale, call.causal)
@@ -95,9 +98,9 @@ def _run(call: AttentionCall, query, key, value, scale, valid_lengths) -> torch.
             if run is not None and run.counting:
                 run.count_call(call.index)
         return out
-    return torch.ops.diffusers_trtllm.attention(
-        query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, call.settings, call.route, scale,
-        call.causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
+    op = torch.ops.diffusers_trtllm.attention_lse if return_lse else torch.ops.diffusers_trtllm.attention
+    return op(query.contiguous(), key.contiguous(), value.contiguous(), valid_lengths, call.settings, call.route,
+              scale, call.causal, call.quant_arg, call.per_kv_len, call.tile[0], call.tile[1], call.planned)
 
 
 def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -110,18 +113,11 @@ def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                          f"{tuple(attn_mask.shape)}); use a backend with masks (e.g. 'native') for this model")
     if dropout_p:
         raise ValueError(f"the {BACKEND_NAME!r} attention backend has no dropout (dropout_p={dropout_p})")
-    if return_lse:
-        raise ValueError(f"the {BACKEND_NAME!r} attention backend does not return the log-sum-exp")
     return run_attention(_DISPATCH_CALLS[bool(is_causal)], query, key, value, scale=scale,
-                         parallel_config=_parallel_config)
+                         parallel_config=_parallel_config, return_lse=return_lse)
 
 
-def _context_parallel(call, valid_lengths, query, key, value, scale, parallel_config) -> torch.Tensor:
-    cp = parallel_config.context_parallel_config
-    if cp.ring_degree > 1:
-        raise NotImplementedError(
-            f"the {BACKEND_NAME!r} attention backend supports Ulysses context parallelism only: ring attention "
-            f"(ring_degree={cp.ring_degree}) merges partial results by their log-sum-exp, which it does not return")
+def _context_parallel(call, valid_lengths, query, key, value, scale, parallel_config, return_lse=False):
     if valid_lengths is not None:
         raise NotImplementedError(
             "HunyuanVideo 1.5 with padded text under context parallelism: the packed text of each sample would be "
@@ -129,13 +125,13 @@ def _context_parallel(call, valid_lengths, query, key, value, scale, parallel_co
 
     def forward_op(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                    return_lse=False, _save_ctx=True, _parallel_config=None):
-        return _run(call, q, k, v, scale, None)
+        return _run(call, q, k, v, scale, None, return_lse)
 
     def backward_op(*args, **kwargs):
         raise NotImplementedError(f"the {BACKEND_NAME!r} attention backend has no backward under context parallelism")
 
     return diffusers_dispatch._templated_context_parallel_attention(
-        query, key, value, None, 0.0, call.causal, scale, False, False, forward_op=forward_op,
+        query, key, value, None, 0.0, call.causal, scale, False, return_lse, forward_op=forward_op,
         backward_op=backward_op, _parallel_config=parallel_config)
 
 

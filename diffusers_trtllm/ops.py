@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import torch
 
 from .accuracy import probe_error_sums
 from .backends import masked_dense_attention, planned_route, run_backend, select_backend
 from .backends.base import KernelPlan, VarlenQKV
-from .config import AttnQuantSpec
-from .errors import warn_user
+from .config import TORCH_REFERENCE, AttnQuantSpec
+from .errors import BackendUnavailableError, warn_user
 from .run_state import OWNER, SETTINGS, SITE, open_run
 
 
@@ -65,20 +66,9 @@ def _outside_a_run(owner: int) -> None:
                   "(compile_repeated_blocks), or call it inside transformer.cache_context(...)")
 
 
-@torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
-              settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str, per_kv_len: bool,
-              tile_q: int, tile_kv: int, planned: bool) -> torch.Tensor:
-    """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``, shaped and typed like q.
-
-    ``valid_lengths`` (int CPU tensor ``[B]``, self-attention only): sample ``b`` attends among its first
-    ``valid_lengths[b]`` tokens only (HunyuanVideo's joint sequence with padded text); the other rows are 0.
-    ``settings`` (float64 CPU ``[5]``, the call's own): what runs outside a run, then its handle's run key and its
-    site index; inside that handle's open run in this thread or task, the run's row for the site runs (module
-    docstring). ``backend`` names the kernel route (a registered
-    backend, resolved at install). ``planned``: the backend was chosen for this call site at install; otherwise
-    it is checked (explicit) or chosen (``auto``) here, once per kind of call.
-    """
+def _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned,
+            return_lse: bool):
+    """The ops' body: (output shaped like q, log-sum-exp ``[B, Sq, Hq]`` float32 or None)."""
     own = settings.tolist()
     site, owner = int(own[SITE]), int(own[OWNER])
     run = open_run(owner)
@@ -95,20 +85,62 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: 
     factor = value * qkv.max_seqlen_kv if per_kv_len else value
     counting = run is not None and run.counting
     plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor,
-                      quant=decode_quant(quant) if sage else None, tile=(tile_q, tile_kv), count_skips=counting)
+                      quant=decode_quant(quant) if sage else None, tile=(tile_q, tile_kv), count_skips=counting,
+                      return_lse=return_lse)
     result = run_backend(backend, qkv, plan)
+    if return_lse and result.lse is None:
+        raise BackendUnavailableError(f"{backend} does not return the log-sum-exp that ring attention merges "
+                                      f"partial results by; {TORCH_REFERENCE} does")
     if counting:
         run.count_call(site, result.skipped_tiles, result.total_tiles)
         if probe_rows:
             run.error_sums[site] += probe_error_sums(qkv, result.out, int(probe_rows), scale, causal)
     if rows is None:
-        return result.out.view(q.shape)
-    return q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape)
+        return result.out.view(q.shape), (result.lse.view(q.shape[:3]) if return_lse else None)
+    out = q.new_zeros(q.shape).flatten(0, 1).index_copy_(0, rows, result.out).view(q.shape)
+    if not return_lse:
+        return out, None
+    lse = result.lse.new_full((q.shape[0] * q.shape[1], q.shape[2]), -math.inf).index_copy_(0, rows, result.lse)
+    return out, lse.view(q.shape[:3])
+
+
+@torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
+              settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str, per_kv_len: bool,
+              tile_q: int, tile_kv: int, planned: bool) -> torch.Tensor:
+    """Attention of q ``[B, Sq, Hq, D]`` on k/v ``[B, Skv, Hkv, D]``, shaped and typed like q.
+
+    ``valid_lengths`` (int CPU tensor ``[B]``, self-attention only): sample ``b`` attends among its first
+    ``valid_lengths[b]`` tokens only (HunyuanVideo's joint sequence with padded text); the other rows are 0.
+    ``settings`` (float64 CPU ``[5]``, the call's own): what runs outside a run, then its handle's run key and its
+    site index; inside that handle's open run in this thread or task, the run's row for the site runs (module
+    docstring). ``backend`` names the kernel route (a registered backend, resolved at install). ``planned``: the
+    backend was chosen for this call site at install; otherwise it is checked (explicit) or chosen (``auto``)
+    here, once per kind of call.
+    """
+    return _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv,
+                   planned, return_lse=False)[0]
+
+
+@torch.library.custom_op("diffusers_trtllm::attention_lse", mutates_args=())
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_lengths: torch.Tensor | None,
+                  settings: torch.Tensor, backend: str, scale: float, causal: bool, quant: str, per_kv_len: bool,
+                  tile_q: int, tile_kv: int, planned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` and each query row's log-sum-exp, float32 ``[B, Sq, Hq]`` (natural log of its sum of
+    exp(scale · scores) over the keys it kept; ``-inf`` for a row that sees no key): what ring attention merges
+    partial results by. Refused by a backend that cannot give it."""
+    return _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv,
+                   planned, return_lse=True)
 
 
 @attention.register_fake
 def _(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
     return torch.empty_like(q)
+
+
+@attention_lse.register_fake
+def _(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _setup_backward(ctx, inputs, output) -> None:

@@ -1,8 +1,11 @@
-"""Ulysses context parallelism through the ``"trtllm"`` backend: two processes on the CPU (gloo), a tiny Wan
-transformer split over its sequence, output equal to one process's; ring attention refused.
+"""Context parallelism through diffusers' own machinery: two processes on the CPU (gloo), a tiny Wan transformer
+split over its sequence. Ulysses and ring attention (partial results over key chunks merged by their log-sum-exp)
+each give one process's output; a backend without the log-sum-exp is refused under ring, naming one that has it.
 
-Tolerance: each rank runs the same attention on all tokens of its head (after the all-to-all), so only the
-float32 summation order of the projections differs between the split and unsplit runs: 1e-5 relative.
+Tolerance: Ulysses runs the same attention on all tokens of a head (after the all-to-all), so only the float32
+summation order of the projections differs between the split and unsplit runs: 1e-5 relative. Ring merges two
+exact partial softmaxes, equal to one up to float32 rounding (1e-5). Under ring, SAGE quantizes each key chunk
+with its own K mean and scales: its output differs from one process's by about SAGE's own error (2e-2).
 """
 
 import os
@@ -15,31 +18,37 @@ from diffusers import ContextParallelConfig
 
 from diffusers_trtllm import enable_trtllm_attention
 
-from helpers import max_rel_err, tiny_wan, wan_inputs
+from helpers import max_rel_err, rel_err, tiny_wan, wan_inputs
 
 WORLD_SIZE = 2
 TOLERANCE = 1e-5
 CONFIG = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.3}}}
+SAGE = {"default": {"backend": "TORCH_REFERENCE", "quant": {"dtype_qk": "int8"}}}
+SAGE_RING_TOLERANCE = 2e-2
+SDPA = {"default": {"backend": "TORCH_SDPA"}}
 
 
-#: (name, when this package's processors are installed, ContextParallelConfig arguments); all run in one spawn
-#: (starting two Python processes that import diffusers dominates the time)
-SCENARIOS = [("ulysses-before", "before", {"ulysses_degree": 2}),
-             ("ulysses-after", "after", {"ulysses_degree": 2}),
-             ("ring", "before", {"ring_degree": 2})]
+#: (name, when this package's processors are installed, ContextParallelConfig arguments, config); all run in one
+#: spawn (starting two Python processes that import diffusers dominates the time)
+SCENARIOS = [("ulysses-before", "before", {"ulysses_degree": 2}, CONFIG),
+             ("ulysses-after", "after", {"ulysses_degree": 2}, CONFIG),
+             ("ring-before", "before", {"ring_degree": 2}, CONFIG),
+             ("ring-after", "after", {"ring_degree": 2}, CONFIG),
+             ("ring-sage", "before", {"ring_degree": 2}, SAGE),
+             ("ring-sdpa", "before", {"ring_degree": 2}, SDPA)]
 
 
-def _run_scenario(order: str, cp: dict, inputs: dict):
+def _run_scenario(order: str, cp: dict, config: dict, inputs: dict):
     """Install this package's processors before or after ``enable_parallelism`` and run: (output, modes that
     ran), or (error type, message)."""
     model = tiny_wan()
     try:
         if order == "before":
-            handle = enable_trtllm_attention(model, CONFIG)
+            handle = enable_trtllm_attention(model, config)
             model.enable_parallelism(config=ContextParallelConfig(**cp))
         else:
             model.enable_parallelism(config=ContextParallelConfig(**cp))
-            handle = enable_trtllm_attention(model, CONFIG)
+            handle = enable_trtllm_attention(model, config)
         with torch.no_grad():
             result = model(**inputs)[0]
         return result, {rec.mode for rec in handle.stats.records.values()}
@@ -54,7 +63,7 @@ def _rank_main(rank: int, port: int, inputs_path: str, out_path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         inputs = torch.load(inputs_path)
-        results = {name: _run_scenario(order, cp, inputs) for name, order, cp in SCENARIOS}
+        results = {name: _run_scenario(order, cp, config, inputs) for name, order, cp, config in SCENARIOS}
         if rank == 0:
             torch.save(results, out_path)
     finally:
@@ -88,6 +97,32 @@ def test_ulysses_matches_one_process(order, inputs, two_rank_results):
     assert modes == {"skip"}  # the processors' plan ran on each rank, not a bare dispatcher call
 
 
-def test_ring_attention_raises(two_rank_results):
-    name, message = two_rank_results["ring"]
-    assert name == "NotImplementedError" and "Ulysses context parallelism only" in message, (name, message)
+def one_process(config, inputs):
+    model = tiny_wan()
+    with enable_trtllm_attention(model, config), torch.no_grad():
+        return model(**inputs)[0]
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_ring_attention_merges_to_one_process(order, inputs, two_rank_results):
+    result, modes = two_rank_results[f"ring-{order}"]
+    assert torch.is_tensor(result), (result, modes)
+    assert max_rel_err(result, one_process(CONFIG, inputs)) <= TOLERANCE
+    assert modes == {"skip"}
+
+
+def test_ring_attention_with_sage_runs_each_key_chunk_as_sage_does(inputs, two_rank_results):
+    """Each chunk is quantized with its own K mean and scales, so the output differs from one process's by about
+    SAGE's own error (test_reference's merge test shows the log-sum-exp's smoothing term makes chunks merge as
+    well as one SAGE call)."""
+    result, modes = two_rank_results["ring-sage"]
+    assert torch.is_tensor(result), (result, modes)
+    assert modes == {"sage-int8"}
+    assert rel_err(result, one_process(SAGE, inputs)) <= SAGE_RING_TOLERANCE
+
+
+def test_ring_attention_on_a_backend_without_the_log_sum_exp_is_refused_naming_one(two_rank_results):
+    name, message = two_rank_results["ring-sdpa"]
+    assert name == "BackendUnavailableError" and message == (
+        "TORCH_SDPA does not return the log-sum-exp that ring attention merges partial results by; TORCH_REFERENCE "
+        "does"), (name, message)

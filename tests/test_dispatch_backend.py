@@ -11,7 +11,7 @@ import torch
 from diffusers import FluxTransformer2DModel
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry, attention_backend, dispatch_attention_fn
 
-from diffusers_trtllm import AttentionConfigError, enable_trtllm_attention, set_dispatch_config
+from diffusers_trtllm import AttentionConfigError, BackendUnavailableError, enable_trtllm_attention, set_dispatch_config
 from diffusers_trtllm.dispatch import BACKEND, trtllm_attention
 
 from helpers import max_rel_err, tiny_wan
@@ -90,10 +90,24 @@ def test_incompatible_calls_raise():
         attention_call(attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="has no dropout \\(dropout_p=0.1\\)"):
         attention_call(dropout_p=0.1)
-    with pytest.raises(ValueError, match="does not return the log-sum-exp"):  # diffusers' ring attention asks
-        q = torch.randn(1, 8, 2, 16)
-        trtllm_attention(q, q, q, return_lse=True)
     assert attention_call().shape == (1, 8, 2, 16)
+
+
+def test_the_dispatcher_returns_the_log_sum_exp_where_its_backend_gives_it():
+    """diffusers' ring attention asks ``return_lse``: the reference gives each row's log-sum-exp of its scaled
+    scores; TORCH_SDPA cannot, and says which backend can."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    set_dispatch_config({"default": {"backend": "TORCH_REFERENCE"}})
+    out, lse = trtllm_attention(q, k, v, scale=0.25, return_lse=True)
+    exact = torch.logsumexp(torch.einsum("bqhd,bkhd->bqhk", q, k) * 0.25, dim=-1)
+    torch.testing.assert_close(lse, exact.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.25).transpose(1, 2))
+    set_dispatch_config({"default": {"backend": "TORCH_SDPA"}})
+    with pytest.raises(BackendUnavailableError, match=r"TORCH_SDPA does not return the log-sum-exp that ring "
+                                                      r"attention merges partial results by; TORCH_REFERENCE does"):
+        trtllm_attention(q, k, v, return_lse=True)
 
 
 @pytest.mark.parametrize("config, match", [

@@ -344,3 +344,44 @@ def test_aligned_sum_keeps_float64_terms_in_float64():
     grid = 2.0 ** (-138 - 14)  # the largest term is below 2^-138
     assert got.dtype == torch.float64
     assert got.item() == 3 * tiny + (tiny / 3 // grid) * grid
+
+
+def merge_by_lse(parts):
+    """Partial attentions ``(out [S, H, D], lse [S, H])`` over disjoint key chunks, merged as ring attention does."""
+    out, lse = parts[0]
+    for out_b, lse_b in parts[1:]:
+        top = torch.maximum(lse, lse_b)
+        w_a, w_b = torch.exp(lse - top), torch.exp(lse_b - top)
+        out = (out * w_a[..., None] + out_b * w_b[..., None]) / (w_a + w_b)[..., None]
+        lse = top + torch.log(w_a + w_b)
+    return out, lse
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_partial_results_over_key_chunks_merge_by_their_log_sum_exp(chunks):
+    """Grouped heads, more keys than queries. Dense: the merged chunks are one attention, to float64 rounding, and
+    the log-sum-exp is the exact one. SAGE: each chunk smooths K by its own mean, which shifts its scores by
+    scale · q · mean; the log-sum-exp carries the shift, so the merged chunks are as close to exact attention as one
+    SAGE call is, and a merge without the shift is not."""
+    g = torch.Generator().manual_seed(chunks)
+    q = torch.randn(300, 4, 64, generator=g, dtype=torch.float64)
+    k = torch.randn(600, 2, 64, generator=g, dtype=torch.float64) + 0.5  # a mean that smoothing removes
+    v = torch.randn(600, 2, 64, generator=g, dtype=torch.float64)
+    scale, bounds = 64 ** -0.5, [600 * i // chunks for i in range(chunks + 1)]
+    exact, _, _, exact_lse = reference_attention(q, k, v, scale, with_lse=True)
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1)) * scale
+    torch.testing.assert_close(exact_lse, torch.logsumexp(scores, dim=-1).T, rtol=1e-12, atol=1e-12)
+    dense = [reference_attention(q, k[a:b], v[a:b], scale, with_lse=True) for a, b in zip(bounds, bounds[1:])]
+    out, lse = merge_by_lse([(o, l) for o, _, _, l in dense])
+    torch.testing.assert_close(out, exact, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, exact_lse, rtol=1e-12, atol=1e-12)
+
+    int8 = sage_semantics(AttnQuantSpec("int8"), torch.device("cpu"), (300,), (600,))
+    one_call = rel_err(reference_attention(q, k, v, scale, quant=int8)[0], exact)
+    sage = [reference_attention(q, k[a:b], v[a:b], scale, quant=int8, with_lse=True)
+            for a, b in zip(bounds, bounds[1:])]
+    merged = rel_err(merge_by_lse([(o, l) for o, _, _, l in sage])[0], exact)
+    kk = k.repeat_interleave(2, dim=1)
+    unshifted = rel_err(merge_by_lse([(o, l - scale * (q * kk[a:b].mean(dim=0)).sum(-1))
+                                      for (o, _, _, l), a, b in zip(sage, bounds, bounds[1:])])[0], exact)
+    assert merged <= 1.1 * one_call and unshifted > 1.3 * one_call, (one_call, merged, unshifted)

@@ -119,7 +119,8 @@ class KernelPlan:
 
     ``skip_factor`` is FlashInfer's ``skip_softmax_threshold_scale_factor``: sequence ``i`` skips with
     λ_i = skip_factor / kv_len_i; 0 disables skipping. ``tile`` is ``(query rows, key columns)`` per skip decision.
-    ``count_skips`` asks the backend to count skipped tiles (when it can).
+    ``count_skips`` asks the backend to count skipped tiles (when it can). ``return_lse`` asks for each query row's
+    log-sum-exp (ring attention merges partial results by it); a backend that cannot give it refuses the plan.
     """
 
     backend: str
@@ -129,6 +130,7 @@ class KernelPlan:
     quant: AttnQuantSpec | None = None
     tile: tuple[int, int] = DEFAULT_TILE
     count_skips: bool = False
+    return_lse: bool = False
 
     @property
     def skips(self) -> bool:
@@ -144,6 +146,9 @@ class KernelResult:
     out: torch.Tensor
     skipped_tiles: int | torch.Tensor | None = None
     total_tiles: int | torch.Tensor | None = None
+    #: with ``KernelPlan.return_lse``: float32 ``[total_q, heads_q]``, natural log of each row's sum of
+    #: exp(scale · scores) over the keys it kept (``-inf`` for a row that sees no key)
+    lse: torch.Tensor | None = None
 
 
 class Backend(Protocol):
@@ -166,8 +171,13 @@ class FunctionBackend:
     check: Callable[[KernelPlan, VarlenQKV], str | None]
     runner: Callable[[VarlenQKV, KernelPlan], KernelResult]
     priority: int = 0  # higher is preferred by ``auto``
+    returns_lse: bool = False
 
     def unavailable_reason(self, plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+        if plan.return_lse and not self.returns_lse:
+            givers = sorted(b.name for b in _REGISTRY.values() if b.returns_lse)
+            return (f"{self.name} does not return the log-sum-exp that ring attention merges partial results by "
+                    f"(backends that do: {givers})")
         return self.check(plan, qkv)
 
     def run(self, qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
@@ -199,9 +209,10 @@ TRTLLM_ON_REFERENCE_ROUTE = "TRTLLM_ATTN@TORCH_REFERENCE"
 ROUTE_KERNEL_SEPARATOR = "+"
 
 
-def register_backend(name: str, runner, check, priority: int = 0) -> FunctionBackend:
-    """Add a backend to the registry (``priority``: higher is preferred by ``auto``)."""
-    backend = FunctionBackend(name, check, runner, priority)
+def register_backend(name: str, runner, check, priority: int = 0, returns_lse: bool = False) -> FunctionBackend:
+    """Add a backend to the registry (``priority``: higher is preferred by ``auto``; ``returns_lse``: it fills
+    ``KernelResult.lse`` when asked)."""
+    backend = FunctionBackend(name, check, runner, priority, returns_lse)
     _REGISTRY[name] = backend
     return backend
 
@@ -244,7 +255,7 @@ def dense_kernel_of(route: str) -> str:
 def _seam_backend() -> FunctionBackend:
     trtllm = _REGISTRY["TRTLLM_ATTN"]
     return FunctionBackend("TRTLLM_ATTN", _simulated_trtllm_reason, _REGISTRY["TORCH_REFERENCE"].runner,
-                           trtllm.priority)
+                           trtllm.priority, trtllm.returns_lse)
 
 
 def _simulated_trtllm_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:

@@ -91,7 +91,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
                         skip_lambda: float = 0.0, quant: SageSemantics | None = None,
                         tile: tuple[int, int] = (128, 128), kv_step: int | None = None,
                         query_chunk: int = QUERY_CHUNK, k_mean: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
+                        v_scale: torch.Tensor | None = None, with_lse: bool = False) -> tuple:
     """Attention of one sequence. q ``[Sq, Hq, D]``, k/v ``[Skv, Hkv, D]`` (GQA when Hkv < Hq).
 
     ``skip_lambda`` is λ (0 = dense); ``quant`` the :class:`~diffusers_trtllm.quant.SageSemantics` of a SAGE
@@ -105,21 +105,27 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
     With ``quant.skip_sample`` (the Triton kernel's rule), a head's query tiles other than every ``every``-th skip
     only if those sampled tiles skipped at least ``pays_from`` of their KV tiles, and are attended dense otherwise.
+
+    ``with_lse``: also return the log-sum-exp of each query row's scaled scores over the keys it kept (float32 or
+    float64 ``[Sq, Hq]``, ``-inf`` for a row that sees no key): what merges partial results over split keys
+    (ring attention). With SAGE it is of the scores the kernel computes, K's smoothing mean added back (smoothing
+    shifts each row's scores by ``scale · q · mean(K)``, which differs between key splits).
     """
     if quant is not None and quant.q_padded_to_kv and q.shape[0] != k.shape[0]:
         if causal or q.shape[0] > k.shape[0]:
             raise ValueError(f"SageSemantics.q_padded_to_kv pads queries to the keys in non-causal attention; got "
                              f"{q.shape[0]} queries on {k.shape[0]} keys, causal={causal}")
         zeros = q.new_zeros(k.shape[0] - q.shape[0], *q.shape[1:])
-        out, skipped, tiles = reference_attention(torch.cat([q, zeros]), k, v, scale, skip_lambda=skip_lambda,
-                                                  quant=quant, tile=tile, kv_step=kv_step, query_chunk=query_chunk,
-                                                  k_mean=k_mean, v_scale=v_scale)
-        return out[:q.shape[0]], skipped, tiles
+        result = reference_attention(torch.cat([q, zeros]), k, v, scale, skip_lambda=skip_lambda, quant=quant,
+                                     tile=tile, kv_step=kv_step, query_chunk=query_chunk, k_mean=k_mean,
+                                     v_scale=v_scale, with_lse=with_lse)
+        return (result[0][:q.shape[0]], *result[1:3]) + ((result[3][:q.shape[0]],) if with_lse else ())
     sample = quant.skip_sample if quant is not None else None
     if skip_lambda == 0.0 or sample is None:
-        out, skipped, tiles = _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step,
-                                               query_chunk, k_mean, v_scale)
-        return out, skipped if isinstance(skipped, int) else skipped.sum(), tiles * q.shape[1]
+        out, skipped, tiles, lse = _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step,
+                                                    query_chunk, k_mean, v_scale)
+        result = out, skipped if isinstance(skipped, int) else skipped.sum(), tiles * q.shape[1]
+        return result + ((lse,) if with_lse else ())
     if causal:
         raise ValueError("sampled Skip-Softmax (SageSemantics.skip_sample) is defined for non-causal attention only")
     every, pays_from = sample
@@ -129,20 +135,23 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         rows[row // tile[0] % every == 0].append(row)
     sampled, others = (torch.tensor(rows[flag], dtype=torch.long, device=q.device) for flag in (True, False))
     parts = [q.index_select(0, sampled), k, v, scale, causal]
-    out_s, skipped_s, tiles_s = _tiled_attention(*parts, skip_lambda, quant, tile, kv_step, query_chunk, k_mean,
-                                                 v_scale)
+    out_s, skipped_s, tiles_s, lse_s = _tiled_attention(*parts, skip_lambda, quant, tile, kv_step, query_chunk,
+                                                        k_mean, v_scale)
     # the kernel's integer test: skipped · 100 >= percent · visited, per head
     pays = skipped_s * 100 >= round(pays_from * 100) * tiles_s
     parts[0] = q.index_select(0, others)
-    out_o, skipped_o, tiles_o = _tiled_attention(*parts, torch.where(pays, skip_lambda, 0.0), quant, tile, kv_step,
-                                                 query_chunk, k_mean, v_scale)
+    out_o, skipped_o, tiles_o, lse_o = _tiled_attention(*parts, torch.where(pays, skip_lambda, 0.0), quant, tile,
+                                                        kv_step, query_chunk, k_mean, v_scale)
     out = torch.empty_like(q).index_copy_(0, sampled, out_s).index_copy_(0, others, out_o)
-    return out, (skipped_s + skipped_o).sum(), (tiles_s + tiles_o) * q.shape[1]
+    result = out, (skipped_s + skipped_o).sum(), (tiles_s + tiles_o) * q.shape[1]
+    if not with_lse:
+        return result
+    return result + (lse_s.new_empty(q.shape[:2]).index_copy_(0, sampled, lse_s).index_copy_(0, others, lse_o),)
 
 
 def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, query_chunk, k_mean, v_scale):
     """:func:`reference_attention`'s tile loop; ``skip_lambda`` a float or one λ per query head (0: dense).
-    Returns (out, skipped tiles per head ``[H]`` (int 0 when not skipping), tiles per head)."""
+    Returns (out, skipped tiles per head ``[H]`` (int 0 when not skipping), tiles per head, lse ``[Sq, H]``)."""
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     sq, hq, d = q.shape
@@ -154,6 +163,9 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
     if hkv != hq:
         k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
         k_mean, v_scale = (None if x is None else x.repeat_interleave(hq // hkv, dim=0) for x in (k_mean, v_scale))
+    # SAGE smooths K by its mean, which shifts each row's scores (and its log-sum-exp) by scale · q · mean(K)
+    lse_shift = (None if quant is None else
+                 scale * (q * (k.mean(dim=0) if k_mean is None else k_mean.to(compute))[None]).sum(-1).transpose(0, 1))
     bits = quant.fp8_accumulator_bits if quant is not None else None
     if bits and tk % GMMA_K:
         raise ValueError(f"tile={tile!r}: emulating fp8 tensor-core sums needs key tiles of whole {GMMA_K}-key "
@@ -172,6 +184,7 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
         q = q * scale
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, S, D]
     out = torch.empty(hq, sq, d, dtype=compute, device=q.device)
+    lse = torch.empty(hq, sq, dtype=compute, device=q.device)
     skipped = tiles = 0
     skipping = torch.is_tensor(skip_lambda) or skip_lambda > 0.0  # per-head λ: some heads may skip
     lam = torch.as_tensor(skip_lambda, dtype=compute, device=q.device).reshape(-1, 1, 1)
@@ -226,9 +239,11 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
             m = new_m
         # a row that sees no key (causal, more queries than keys) gets 0, as PyTorch's SDPA gives
         out[:, c0:c0 + rows] = torch.where(lsum[..., None] > 0, acc / lsum[..., None], 0.0)
+        lse[:, c0:c0 + rows] = torch.where(lsum > 0, m + torch.log(lsum), -math.inf)
     if quant is not None:
         out = out * (v_scale[:, None, :].to(compute) / quant.p_scale)
-    return out.transpose(0, 1).to(out_dtype), skipped, tiles
+        lse = lse + lse_shift.nan_to_num()  # no keys: no shift (the row keeps -inf)
+    return out.transpose(0, 1).to(out_dtype), skipped, tiles, lse.transpose(0, 1)
 
 
 def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
@@ -239,20 +254,24 @@ def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     k_mean = v_scale = None
     if semantics is not None and semantics.batch_stats:
         k_mean, v_scale = batch_statistics(qkv.k.float(), qkv.v.float())
+    lse = torch.empty(qkv.q.shape[:2], dtype=torch.float32, device=qkv.q.device) if plan.return_lse else None
     for (q, k, v, rows), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
         lam = plan.skip_factor / kv_len if plan.skips and kv_len else 0.0  # a sample without keys gets zeros
-        o, s, t = reference_attention(q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=semantics,
-                                      tile=(semantics.skip_tile or plan.tile) if semantics else plan.tile,
-                                      kv_step=semantics.kv_step if semantics else None,
-                                      k_mean=k_mean, v_scale=v_scale)
+        o, s, t, *row_lse = reference_attention(
+            q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=semantics,
+            tile=(semantics.skip_tile or plan.tile) if semantics else plan.tile,
+            kv_step=semantics.kv_step if semantics else None, k_mean=k_mean, v_scale=v_scale,
+            with_lse=plan.return_lse)
         out[rows] = o
+        if lse is not None:
+            lse[rows] = row_lse[0].float()
         skipped += s
         total += t
-    return KernelResult(out, skipped, total)
+    return KernelResult(out, skipped, total, lse)
 
 
 def _check(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     return None  # any device, dtype, head_dim and feature
 
 
-REFERENCE_BACKEND = register_backend(TORCH_REFERENCE, _run, _check, priority=0)
+REFERENCE_BACKEND = register_backend(TORCH_REFERENCE, _run, _check, priority=0, returns_lse=True)
