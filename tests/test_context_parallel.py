@@ -56,18 +56,31 @@ def _run_scenario(order: str, cp: dict, config: dict, inputs: dict):
         return type(e).__name__, str(e)
 
 
-def _rank_main(rank: int, port: int, inputs_path: str, out_path: str) -> None:
+#: four processes: Ulysses × ring (diffusers' unified attention)
+FOUR_RANK_SCENARIOS = [("ring-ulysses", "before", {"ring_degree": 2, "ulysses_degree": 2}, CONFIG),
+                       ("ring-ulysses-sage", "after", {"ring_degree": 2, "ulysses_degree": 2}, SAGE)]
+
+
+def _rank_main(rank: int, world_size: int, scenarios, port: int, inputs_path: str, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # diffusers picks the rank's device as rank % accelerator count, which is 0 on a CPU-only machine
     torch.accelerator.device_count = lambda: 1
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         inputs = torch.load(inputs_path)
-        results = {name: _run_scenario(order, cp, config, inputs) for name, order, cp, config in SCENARIOS}
+        results = {name: _run_scenario(order, cp, config, inputs) for name, order, cp, config in scenarios}
         if rank == 0:
             torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
+
+
+def spawn(scenarios, world_size: int, inputs, folder) -> dict:
+    inputs_path, out_path = str(folder / "inputs.pt"), str(folder / "out.pt")
+    torch.save(inputs, inputs_path)
+    port = 29500 + (os.getpid() + world_size * 7) % 2000
+    mp.spawn(_rank_main, args=(world_size, scenarios, port, inputs_path, out_path), nprocs=world_size, join=True)
+    return torch.load(out_path, weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +91,12 @@ def inputs():
 
 @pytest.fixture(scope="module")
 def two_rank_results(inputs, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("context_parallel")
-    inputs_path, out_path = str(folder / "inputs.pt"), str(folder / "out.pt")
-    torch.save(inputs, inputs_path)
-    port = 29500 + os.getpid() % 2000
-    mp.spawn(_rank_main, args=(port, inputs_path, out_path), nprocs=WORLD_SIZE, join=True)
-    return torch.load(out_path, weights_only=False)
+    return spawn(SCENARIOS, WORLD_SIZE, inputs, tmp_path_factory.mktemp("context_parallel"))
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(inputs, tmp_path_factory):
+    return spawn(FOUR_RANK_SCENARIOS, 4, inputs, tmp_path_factory.mktemp("context_parallel_4"))
 
 
 @pytest.mark.parametrize("order", ["before", "after"])
@@ -126,3 +139,12 @@ def test_ring_attention_on_a_backend_without_the_log_sum_exp_is_refused_naming_o
     assert name == "BackendUnavailableError" and message == (
         "TORCH_SDPA does not return the log-sum-exp that ring attention merges partial results by; TORCH_REFERENCE "
         "does"), (name, message)
+
+
+def test_ulysses_times_ring_on_four_processes_gives_one_process_output(inputs, four_rank_results):
+    result, modes = four_rank_results["ring-ulysses"]
+    assert torch.is_tensor(result), (result, modes)
+    assert max_rel_err(result, one_process(CONFIG, inputs)) <= TOLERANCE and modes == {"skip"}
+    result, modes = four_rank_results["ring-ulysses-sage"]
+    assert torch.is_tensor(result), (result, modes)
+    assert rel_err(result, one_process(SAGE, inputs)) <= SAGE_RING_TOLERANCE and modes == {"sage-int8"}
