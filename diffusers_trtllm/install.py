@@ -10,8 +10,9 @@ import torch
 
 from .calibration import calibrations_from_transformers
 from .calibration.curve import SkipCalibration
-from .config import TRANSFORMER_COMPONENTS, AttentionConfig
-from .errors import AttentionConfigError, warn_user
+from .backends.base import backend_for_route
+from .config import TORCH_REFERENCE, TRANSFORMER_COMPONENTS, AttentionConfig
+from .errors import AttentionConfigError, BackendUnavailableError, warn_user
 from .plan import CallPlanner, CallSite
 from .processors import PROCESSORS, TrtllmAttnProcessor, processor_class_for
 from .stats import AttentionStats
@@ -172,6 +173,8 @@ def _install(handle: TrtllmAttentionHandle, component: str, transformer, cls: ty
     modules = dict(transformer.named_modules())
     parallel = getattr(transformer, "_parallel_config", None)
     parallel = parallel if getattr(parallel, "context_parallel_config", None) is not None else None
+    if parallel is not None and parallel.context_parallel_config.ring_degree > 1:
+        _refuse_ring_without_lse(component, handle.planner, cls, parallel.context_parallel_config.ring_degree)
     processors, ours = {}, {}
     for key, original in originals.items():
         layer = key.removesuffix(".processor")
@@ -190,6 +193,19 @@ def _install(handle: TrtllmAttentionHandle, component: str, transformer, cls: ty
     handle._detach.append(attach(handle.tracker, transformer, cls.TIMESTEP_ARGUMENTS))
     if ours:
         handle._detach += [hook.remove for hook in next(iter(ours.values())).install_hooks(transformer)]
+
+
+def _refuse_ring_without_lse(component: str, planner: CallPlanner, cls: type[TrtllmAttnProcessor],
+                             ring_degree: int) -> None:
+    """Ring attention merges partial results by their log-sum-exp: a context-parallel site whose backend does not
+    return it is refused now, naming one that does (context parallelism enabled after install: at the call)."""
+    for site, call in planner.calls.items():
+        if site.component == component and cls.ROLES[site.role].context_parallel and \
+                not backend_for_route(call.route).returns_lse:
+            raise BackendUnavailableError(
+                f"{site.qualified_layer} ({site.role} attention) runs on {call.backend}, which does not return the "
+                f"log-sum-exp that ring attention (ring_degree={ring_degree}) merges partial results by; give it "
+                f"{TORCH_REFERENCE}, or use Ulysses (ulysses_degree) alone")
 
 
 def _gated(planner: CallPlanner) -> bool:

@@ -65,6 +65,8 @@ class RoleTraits:
     sparse_ok: bool = True
     quant_ok: bool = True
     queries_outnumber_keys: bool = False
+    #: its attention runs under diffusers' context parallelism (diffusers keeps Wan's cross-attention out of it)
+    context_parallel: bool = True
 
 
 @dataclass(frozen=True)

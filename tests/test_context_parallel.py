@@ -26,6 +26,8 @@ CONFIG = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold"
 SAGE = {"default": {"backend": "TORCH_REFERENCE", "quant": {"dtype_qk": "int8"}}}
 SAGE_RING_TOLERANCE = 2e-2
 SDPA = {"default": {"backend": "TORCH_SDPA"}}
+# cross-attention stays out of context parallelism: any backend serves it under ring
+CROSS_ON_SDPA = {**CONFIG, "per_role": {"cross": {"backend": "TORCH_SDPA"}}}
 
 
 #: (name, when this package's processors are installed, ContextParallelConfig arguments, config); all run in one
@@ -35,7 +37,9 @@ SCENARIOS = [("ulysses-before", "before", {"ulysses_degree": 2}, CONFIG),
              ("ring-before", "before", {"ring_degree": 2}, CONFIG),
              ("ring-after", "after", {"ring_degree": 2}, CONFIG),
              ("ring-sage", "before", {"ring_degree": 2}, SAGE),
-             ("ring-sdpa", "before", {"ring_degree": 2}, SDPA)]
+             ("ring-sdpa", "before", {"ring_degree": 2}, SDPA),
+             ("ring-sdpa-after", "after", {"ring_degree": 2}, SDPA),
+             ("ring-cross-sdpa", "after", {"ring_degree": 2}, CROSS_ON_SDPA)]
 
 
 def _run_scenario(order: str, cp: dict, config: dict, inputs: dict):
@@ -135,10 +139,22 @@ def test_ring_attention_with_sage_runs_each_key_chunk_as_sage_does(inputs, two_r
 
 
 def test_ring_attention_on_a_backend_without_the_log_sum_exp_is_refused_naming_one(two_rank_results):
+    """At install when context parallelism is already on, else at the call."""
+    name, message = two_rank_results["ring-sdpa-after"]
+    assert name == "BackendUnavailableError" and message == (
+        "transformer.blocks.0.attn1 (self_attn attention) runs on TORCH_SDPA, which does not return the log-sum-exp "
+        "that ring attention (ring_degree=2) merges partial results by; give it TORCH_REFERENCE, or use Ulysses "
+        "(ulysses_degree) alone"), (name, message)
     name, message = two_rank_results["ring-sdpa"]
     assert name == "BackendUnavailableError" and message == (
         "TORCH_SDPA does not return the log-sum-exp that ring attention merges partial results by; TORCH_REFERENCE "
         "does"), (name, message)
+
+
+def test_cross_attention_stays_out_of_ring_attention_on_any_backend(inputs, two_rank_results):
+    result, modes = two_rank_results["ring-cross-sdpa"]
+    assert torch.is_tensor(result), (result, modes)
+    assert max_rel_err(result, one_process(CROSS_ON_SDPA, inputs)) <= TOLERANCE and modes == {"skip", "dense"}
 
 
 def test_ulysses_times_ring_on_four_processes_gives_one_process_output(inputs, four_rank_results):

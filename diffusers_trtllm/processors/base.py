@@ -91,11 +91,12 @@ class TrtllmAttnProcessor:
         return calls
 
     def attend(self, role: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-               valid_lengths: torch.Tensor | None = None, parallel: bool = True) -> torch.Tensor:
-        """``role``'s attention of ``[B, S, H, D]`` tensors, as planned for this layer; ``parallel=False`` keeps
-        it out of diffusers' context-parallel all-to-all (where diffusers' own processor passes no parallel config)."""
+               valid_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """``role``'s attention of ``[B, S, H, D]`` tensors, as planned for this layer, under diffusers' context
+        parallelism where the role takes part in it (:attr:`RoleTraits.context_parallel`)."""
+        parallel = self._parallel_config if self.ROLES[role].context_parallel else None
         return run_attention(self.calls[role], query, key, value, valid_lengths=valid_lengths,
-                             parallel_config=self._parallel_config if parallel else None)
+                             parallel_config=parallel)
 
     # --- what install needs to know about a model -------------------------------------------------------------
     @classmethod

@@ -34,8 +34,10 @@ def _rotary(states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tens
 class WanTrtllmAttnProcessor(TrtllmAttnProcessor, WanAttnProcessor):
     """diffusers' ``WanAttnProcessor`` with each attention on this package's op, under its role's plan."""
 
-    ROLES = {"self_attn": RoleTraits("self"), "cross_attn": RoleTraits("cross", queries_outnumber_keys=True),
-             "image_cross_attn": RoleTraits("cross", queries_outnumber_keys=True)}
+    # diffusers keeps cross-attention out of the context-parallel all-to-all (its PR 12909)
+    ROLES = {"self_attn": RoleTraits("self"),
+             "cross_attn": RoleTraits("cross", queries_outnumber_keys=True, context_parallel=False),
+             "image_cross_attn": RoleTraits("cross", queries_outnumber_keys=True, context_parallel=False)}
     ATTENTION_CLASSES = ("WanAttention",)
     TRANSFORMER_CLASSES = ("WanTransformer3DModel",)
 
@@ -69,13 +71,12 @@ class WanTrtllmAttnProcessor(TrtllmAttnProcessor, WanAttnProcessor):
             image_key, image_value = _get_added_kv_projections(attn, image_states)
             image_key = attn.norm_added_k(image_key).unflatten(2, (attn.heads, -1))
             image_value = image_value.unflatten(2, (attn.heads, -1))
-            image_out = self.attend("image_cross_attn", query, image_key, image_value, parallel=False)
+            image_out = self.attend("image_cross_attn", query, image_key, image_value)
             image_out = image_out.flatten(2, 3).type_as(query)
         if encoder_hidden_states is None:
             out = self.attend("self_attn", query, key, value)
         else:
-            # diffusers keeps cross-attention out of the context-parallel all-to-all (its PR 12909)
-            out = self.attend("cross_attn", query, key, value, parallel=False)
+            out = self.attend("cross_attn", query, key, value)
         out = out.flatten(2, 3).type_as(query)
         if image_out is not None:
             out = out + image_out
