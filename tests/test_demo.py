@@ -48,6 +48,7 @@ def test_demo_skip_rows_follow_the_gate(demo_rows):
     assert len(per_step) == 4 and per_step[0] is None and 0 not in skip["skipping"]  # t = 0.999 > D: dense
     assert skip["sparsity"] > 0 and max(v for v in per_step if v is not None) > 0
     assert demo_table_steps(skip)[0] == "off"
+    assert skip["backends"] == "TORCH_REFERENCE"
 
 
 def demo_table_steps(row) -> list[str]:
@@ -57,4 +58,3 @@ def demo_table_steps(row) -> list[str]:
     line = next(line for line in load_script("examples/demo.py").format_table([row]).splitlines()
                 if line.startswith(f"| {row['config']} |"))
     return line.split(" | ")[5].split()
-    assert skip["backends"] == "TORCH_REFERENCE"

@@ -15,7 +15,7 @@ from ..config import AUTO, TORCH_REFERENCE, TRTLLM_ATTN
 from ..errors import BackendUnavailableError
 from . import reference, sdpa, trtllm  # noqa: F401  (registration)
 from .base import KernelPlan, KernelResult, VarlenQKV, get_backend, registered_backends, route_of, route_runner
-from .sdpa import masked_dense_attention
+from .sdpa import masked_dense_attention  # noqa: F401  (the op's dense backward)
 from .trtllm import dense_route
 
 
