@@ -226,9 +226,10 @@ def test_runs_do_not_pile_up_over_many_requests():
     from diffusers_trtllm.run_state import Run
 
     pipe = tiny_pipe()
-    with enable_trtllm_attention(pipe, GATED):
+    with enable_trtllm_attention(pipe, GATED) as handle:
         for _ in range(3):
             run_together({name: lambda: request(scoped(pipe), 2) for name in ("a", "b")})
         request(pipe, 2)
         gc.collect()
-        assert len([obj for obj in gc.get_objects() if isinstance(obj, Run)]) <= 2
+        key = handle.planner.run_key.value
+        assert len([obj for obj in gc.get_objects() if isinstance(obj, Run) and obj.key == key]) <= 2
