@@ -130,9 +130,7 @@ class RunTracker:
 
     def _timestep_of(self, context) -> float | None:
         if context.timestep is not None:
-            raw = context.timestep
-            value = float(raw.detach().float().max()) if torch.is_tensor(raw) else float(raw)
-            return value / self.num_train_timesteps
+            return self._normalized(context.timestep)
         return None if context.sigma is None else float(context.sigma)
 
     def on_reset(self) -> None:
