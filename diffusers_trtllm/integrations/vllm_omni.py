@@ -11,8 +11,8 @@ package's entry there. It wraps two vLLM-Omni methods, each only where ``TRTLLM_
   converts vLLM-Omni's ``AttentionConfig`` to this package's, refuses with this package's reason when
   ``TRTLLM_ATTN`` cannot run on the pipeline's device, and installs this package's processors on every
   transformer of the pipeline with :func:`~diffusers_trtllm.enable_trtllm_attention` (calibrations read from
-  each transformer's ``config.json``, timestep gate read from the transformer's timestep argument and the
-  pipeline's scheduler). The handle is kept on the adapter as ``trtllm_attention``. vLLM-Omni's log then says,
+  each transformer's ``config.json``; each request a run of its own, its steps from what the pipeline publishes,
+  under diffusers 0.40 the transformer's timestep argument). The handle is kept on the adapter as ``trtllm_attention``. vLLM-Omni's log then says,
   once per pipeline, that this package serves ``TRTLLM_ATTN`` and which backend runs each role; what the install
   warns about goes there too.
 - ``OmniDiffusionConfig._propagate_skip_softmax_calibration``: on the diffusers load format vLLM-Omni reads the
