@@ -80,3 +80,39 @@ def test_the_reference_and_the_calibration_counts_follow_the_rule_at_gqa_and_une
         some_skip = some_skip or 0 < skipped < tiles
         assert int(one_pass) == skipped  # one pass over all λ counts what the online rule skips (λ <= 1)
     assert some_skip  # the data exercise the rule, not only its ends
+
+
+GROUPED = [s for s in SHAPES if s[3] > 1]
+
+
+@pytest.mark.parametrize("shape", GROUPED, ids=[f"{s[0]}q-{s[1]}k-{s[2]}/{s[3]}h" for s in GROUPED])
+def test_the_sampled_rule_decides_per_head_from_its_sampled_query_tiles_at_gqa_and_unequal_lengths(shape):
+    """The Triton kernel's rule (SAGE + Skip-Softmax): every ``every``-th query tile of a head is its sample and
+    skips; the head's other query tiles skip only if the sample skipped at least ``pays_from`` of its KV tiles, and
+    run dense otherwise. Checked against the reference run head by head (a query head on its key head) on row
+    subsets without the rule, which is exact with one Q scale per token (``q_block`` 1)."""
+    from diffusers_trtllm.quant import SageSemantics
+
+    sq, skv, hq, hkv = shape
+    q, k, v = peaked(sq, skv, hq, hkv, seed=sq)
+    k[:, 1:, 0] = 0.0  # key heads after the first without offsets: flat scores, where skipping does not pay
+    scale, tile, lam = 16 ** -0.5, (32, 32), 0.05
+    plain = SageSemantics("int8", q_block=1, k_block=16)
+    sampled = SageSemantics("int8", q_block=1, k_block=16, skip_sample=(2, 0.3))
+    out, skipped, tiles = reference_attention(q, k, v, scale, skip_lambda=lam, quant=sampled, tile=tile)
+    rows = torch.arange(sq)
+    in_sample = rows // tile[0] % 2 == 0
+    expected, expected_skipped, decided = torch.empty_like(out), 0, set()
+    for h in range(hq):
+        kh, vh = (x[:, [h // (hq // hkv)]] for x in (k, v))
+        o_s, s_s, t_s = reference_attention(q[in_sample][:, [h]], kh, vh, scale, skip_lambda=lam, quant=plain,
+                                            tile=tile)
+        pays = int(s_s) * 100 >= 30 * t_s
+        decided.add(pays)
+        o_o, s_o, _ = reference_attention(q[~in_sample][:, [h]], kh, vh, scale, skip_lambda=lam if pays else 0.0,
+                                          quant=plain, tile=tile)
+        expected[in_sample, h], expected[~in_sample, h] = o_s[:, 0], o_o[:, 0]
+        expected_skipped += int(s_s) + int(s_o)
+    assert int(skipped) == expected_skipped and tiles == -(-sq // tile[0]) * -(-skv // tile[1]) * hq
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert decided == {True, False}, decided  # some heads' samples pay, some not: both branches of the rule ran
