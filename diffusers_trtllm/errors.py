@@ -23,6 +23,18 @@ class CalibrationError(RuntimeError):
     The message says what was observed and what to change."""
 
 
+#: what :func:`warn_once` said so far in this process
+_SAID: set = set()
+
+
+def warn_once(message: str, key=None) -> None:
+    """:func:`warn_user` the first time this process meets ``key`` (default: the message itself)."""
+    key = message if key is None else key
+    if key not in _SAID:
+        _SAID.add(key)
+        warn_user(message)
+
+
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` pointing at the user's line: the first frame outside this package, diffusers and torch
     and not generated code (a dataclass's ``__init__`` is ``<string>``): a warning raised while a pipeline runs

@@ -33,9 +33,9 @@ import torch
 
 from .accuracy import probe_error_sums
 from .backends import masked_dense_attention, planned_route, run_backend, select_backend
-from .backends.base import KernelPlan, VarlenQKV
-from .config import TORCH_REFERENCE, AttnQuantSpec
-from .errors import BackendUnavailableError, warn_user
+from .backends.base import KernelPlan, VarlenQKV, backend_for_route
+from .config import AttnQuantSpec
+from .errors import BackendUnavailableError, warn_once
 from .run_state import OWNER, SETTINGS, SITE, open_run
 
 
@@ -53,17 +53,12 @@ def decode_quant(text: str) -> AttnQuantSpec | None:
     return AttnQuantSpec.from_dict(json.loads(text)) if text else None
 
 
-_OUTSIDE_A_RUN: set[int] = set()
-
-
 def _outside_a_run(owner: int) -> None:
     """Say once per handle that an installed call ran outside any run (nothing of it is counted)."""
-    if owner not in _OUTSIDE_A_RUN:
-        _OUTSIDE_A_RUN.add(owner)
-        warn_user("diffusers_trtllm: attention ran outside any run, so handle.stats does not count it and a timestep "
-                  "gate keeps Skip-Softmax and the SAGE schedule as at no timestep. A transformer compiled whole "
-                  "skips the pre-hook that starts a bare transformer's runs: compile it per block "
-                  "(compile_repeated_blocks), or call it inside transformer.cache_context(...)")
+    warn_once("diffusers_trtllm: attention ran outside any run, so handle.stats does not count it and a timestep "
+              "gate keeps Skip-Softmax and the SAGE schedule as at no timestep. A transformer compiled whole skips "
+              "the pre-hook that starts a bare transformer's runs: compile it per block (compile_repeated_blocks), "
+              "or call it inside transformer.cache_context(...)", key=("outside a run", owner))
 
 
 def _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per_kv_len, tile_q, tile_kv, planned,
@@ -84,13 +79,12 @@ def _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per
         backend = unplanned_backend(backend, qkv, causal, value, quant)
     factor = value * qkv.max_seqlen_kv if per_kv_len else value
     counting = run is not None and run.counting
+    if return_lse and (reason := backend_for_route(backend).lse_reason()):
+        raise BackendUnavailableError(reason)
     plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor,
                       quant=decode_quant(quant) if sage else None, tile=(tile_q, tile_kv), count_skips=counting,
                       return_lse=return_lse)
     result = run_backend(backend, qkv, plan)
-    if return_lse and result.lse is None:
-        raise BackendUnavailableError(f"{backend} does not return the log-sum-exp that ring attention merges "
-                                      f"partial results by; {TORCH_REFERENCE} does")
     if counting:
         run.count_call(site, result.skipped_tiles, result.total_tiles)
         if probe_rows:
@@ -185,7 +179,6 @@ def packed_rows(lengths: tuple[int, ...], seq_len: int, device: torch.device) ->
 
 _UNPLANNED_CACHE_SIZE = 256
 _UNPLANNED_CHOICES: dict[tuple, str] = {}
-_UNPLANNED_WARNED: set[tuple[str, str]] = set()
 
 
 def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: float, quant: str) -> str:
@@ -201,9 +194,9 @@ def unplanned_backend(requested: str, qkv: VarlenQKV, causal: bool, skip_value: 
         plan = KernelPlan(backend=requested, scale=1.0, causal=causal, skip_factor=float(bool(skip_value)),
                           quant=decode_quant(quant))
         choice = select_backend(requested, plan, qkv)
-        if choice.dropped and (requested, choice.dropped) not in _UNPLANNED_WARNED:
-            _UNPLANNED_WARNED.add((requested, choice.dropped))
-            warn_user(f"diffusers_trtllm: auto runs attention dense on {qkv.q.device}: {choice.dropped}")
+        if choice.dropped:
+            warn_once(f"diffusers_trtllm: auto runs attention dense on {qkv.q.device}: {choice.dropped}",
+                      key=("unplanned", requested, choice.dropped))
         if len(_UNPLANNED_CHOICES) >= _UNPLANNED_CACHE_SIZE:
             _UNPLANNED_CHOICES.pop(next(iter(_UNPLANNED_CHOICES)))  # bounded: drop the oldest kind
         _UNPLANNED_CHOICES[key] = planned_route(choice, qkv.q.device)

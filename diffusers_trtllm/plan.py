@@ -25,20 +25,9 @@ from .backends.base import DEFAULT_TILE, KernelPlan, VarlenQKV, dense_kernel_of,
 from .calibration.curve import SkipCalibration
 from .config import (AUTO, TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttentionSpec, AttnQuantSpec,
                      SkipSoftmaxSpec)
-from .errors import AttentionConfigError, BackendUnavailableError, warn_user
+from .errors import AttentionConfigError, BackendUnavailableError, warn_once, warn_user
 from .ops import encode_quant
 from .run_state import OWNER, SAGE, SKIP, Run, RunKey, initial_settings
-
-
-#: notes that hold for every install said so far: each is said once per process
-_SAID: set[str] = set()
-
-
-def note_once(message: str) -> None:
-    """Warn ``message`` the first time this process meets it."""
-    if message not in _SAID:
-        _SAID.add(message)
-        warn_user(message)
 
 
 @dataclass(frozen=True)
@@ -243,7 +232,7 @@ class CallPlanner:
             self.warn_once(f"dropped-{why}", f"diffusers_trtllm: auto runs {sorted(set(roles))} attention dense: "
                                              f"{why}")
         for note in self._sampled_skipping_notes(calls.values(), self.traits, device):
-            note_once(note)
+            warn_once(note)  # a note that holds for every install: once per process
         for index, call in enumerate(calls.values()):
             call.owner, call.index = self.run_key, index
             row = call.plan_row(None, 0)[0] + [float(self.run_key.value), float(index)]

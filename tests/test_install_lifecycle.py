@@ -11,7 +11,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from diffusers_trtllm import plan as plan_module
+from diffusers_trtllm import errors as errors_module
 from diffusers_trtllm import (AttentionConfigError, BackendUnavailableError, WanTrtllmAttnProcessor,
                               enable_trtllm_attention)
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
@@ -51,7 +51,7 @@ def test_auto_on_cpu_runs_sdpa_and_warns_once_visibly(spec, dropped):
 def test_sage_skipping_on_the_triton_rule_says_once_per_process_that_heads_skip_only_where_it_pays():
     model = tiny_wan()
     spec = {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.1}, "quant": {"dtype_qk": "int8"}}
-    plan_module._SAID.clear()
+    errors_module._SAID.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = enable_trtllm_attention(model, {"default": spec})

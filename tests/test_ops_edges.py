@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from diffusers_trtllm import ops, run_state
+from diffusers_trtllm import errors, ops, run_state
 from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import AttnQuantSpec
@@ -156,7 +156,7 @@ def test_gradient_among_valid_prefixes_with_grouped_heads(hq, hkv, dim):
 def fresh_choices(monkeypatch):
     """An empty choice cache and warning memory, as in a new process."""
     monkeypatch.setattr(ops, "_UNPLANNED_CHOICES", {})
-    monkeypatch.setattr(ops, "_UNPLANNED_WARNED", set())
+    monkeypatch.setattr(errors, "_SAID", set())
     monkeypatch.delenv(TRTLLM_ON_REFERENCE_ENV, raising=False)
 
 

@@ -17,7 +17,7 @@ from diffusers_trtllm.backends.base import TRTLLM_ON_REFERENCE_ENV, KernelPlan, 
 from diffusers_trtllm.calibration.curve import SkipCalibration
 from diffusers_trtllm.config import TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, AttentionConfig, AttnQuantSpec
 from diffusers_trtllm.run_state import PROBE, Run
-from diffusers_trtllm import plan as plan_module
+from diffusers_trtllm import errors as errors_module
 from diffusers_trtllm.plan import AttentionCall, CallPlanner, CallSite
 from diffusers_trtllm.tiny_pipelines import tiny_cosmos3_transformer, tiny_wan22_pipeline
 
@@ -75,7 +75,7 @@ def test_an_unplanned_call_keeps_its_site_and_is_checked_at_the_call():
 def test_the_triton_rule_note_names_the_roles_that_skip_with_sage_wherever_they_come():
     """The first layer (self-attention) runs dense; the cross-attention layers after it run SAGE + Skip-Softmax."""
     sage_skip = {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.1}, "quant": {"dtype_qk": "int8"}}
-    plan_module._SAID.clear()
+    errors_module._SAID.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):  # said once per process, however many installs
@@ -93,7 +93,7 @@ def test_on_hopper_the_note_names_the_fp8_roles_the_triton_kernel_serves_and_not
     cross-attention (video queries on text keys) on the Triton kernel, whose rule the note states."""
     monkeypatch.setattr(trtllm_backend, "gpu_arch", lambda device: "sm_90")
     sage_skip = {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": 0.1}, "quant": {"dtype_qk": "fp8_e4m3"}}
-    plan_module._SAID.clear()
+    errors_module._SAID.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         enable_trtllm_attention(tiny_wan(), {"default": sage_skip}).restore()

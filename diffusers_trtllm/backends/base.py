@@ -174,11 +174,15 @@ class FunctionBackend:
     returns_lse: bool = False
 
     def unavailable_reason(self, plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-        if plan.return_lse and not self.returns_lse:
-            givers = sorted(b.name for b in _REGISTRY.values() if b.returns_lse)
-            return (f"{self.name} does not return the log-sum-exp that ring attention merges partial results by "
-                    f"(backends that do: {givers})")
-        return self.check(plan, qkv)
+        return (self.lse_reason() if plan.return_lse else None) or self.check(plan, qkv)
+
+    def lse_reason(self) -> str | None:
+        """Why this backend cannot give the log-sum-exp, naming those that can; None when it can."""
+        if self.returns_lse:
+            return None
+        givers = ", ".join(sorted(b.name for b in _REGISTRY.values() if b.returns_lse))
+        return (f"{self.name} does not return the log-sum-exp that ring attention merges partial results by; "
+                f"{givers} does")
 
     def run(self, qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
         return self.runner(qkv, plan)
