@@ -37,13 +37,18 @@ from .base import TrtllmAttnProcessor, bound_arguments
 VALID_TOKENS_ATTRIBUTE = "_diffusers_trtllm_valid_tokens"
 
 
+def valid_text_tokens(text_mask: torch.Tensor) -> torch.Tensor:
+    """Each sample's valid text tokens under ``text_mask`` ``[B, L_text]``, on the host (one read)."""
+    return text_mask.sum(dim=1).cpu()
+
+
 class TextLengthsReader:
     """The first joint block's forward pre-hook: reads the call's valid text tokens once, onto its mask."""
 
     def __call__(self, block, args, kwargs) -> None:
         mask = bound_arguments(block, args, kwargs).get("attention_mask")
         if mask is not None:
-            setattr(mask, VALID_TOKENS_ATTRIBUTE, mask.sum(dim=1).cpu())
+            setattr(mask, VALID_TOKENS_ATTRIBUTE, valid_text_tokens(mask))
 
 
 def _heads(projection: torch.nn.Module, states: torch.Tensor, heads: int) -> torch.Tensor:
@@ -109,6 +114,6 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
         if text_mask is None:
             return None
         counts = getattr(text_mask, VALID_TOKENS_ATTRIBUTE, None)
-        if counts is None:
-            counts = text_mask.sum(dim=1).cpu()
+        if counts is None:  # the unbound form: no pre-hook read them
+            counts = valid_text_tokens(text_mask)
         return counts + (seq_len - text_mask.shape[1])
