@@ -106,6 +106,10 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
     the pipeline to its device and dtype. Context parallelism enabled before or after installing is honoured
     (Ulysses).
     """
+    if not isinstance(pipe, torch.nn.Module) and not (callable(pipe) and hasattr(pipe, "__dict__")):
+        raise AttentionConfigError(
+            f"enable_trtllm_attention takes a diffusers pipeline (called as pipe(...)) or a transformer; got a "
+            f"{type(pipe).__name__}: pass pipe.transformer to install on the transformer alone")
     transformers = pipeline_transformers(pipe)
     if not transformers:
         raise AttentionConfigError(f"{type(pipe).__name__} has no 'transformer' component to install attention on")
@@ -120,10 +124,6 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
     planner.choose_backends(plan_device(transformers.values()), dtype)
 
     bare = isinstance(pipe, torch.nn.Module)
-    if not bare and not (callable(pipe) and hasattr(pipe, "__dict__")):
-        raise AttentionConfigError(
-            f"enable_trtllm_attention takes a diffusers pipeline (called as pipe(...)) or a transformer; got a "
-            f"{type(pipe).__name__}: pass pipe.transformer to install on the transformer alone")
     tracker = RunTracker(planner, num_train_timesteps(None if bare else getattr(pipe, "scheduler", None)),
                          gated=_gated(planner))
     if bare and tracker.gated:
