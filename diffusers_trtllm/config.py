@@ -108,11 +108,19 @@ class SkipSoftmaxSpec:
 
     Skipping is off while the normalized timestep t = timestep / num_train_timesteps is above
     ``disabled_until_timestep`` (0 = never off).
+
+    ``reuse_steps`` (this package's extension; 0 = off): a step that tests every tile keeps, per call site and
+    pass (a classifier-free-guidance pass has its own), the map of the tiles it skipped; the next
+    ``reuse_steps`` steps of the same pipeline call skip those tiles without loading or multiplying them, test the
+    others and add what they skip. Then, or when the timestep gate, the SAGE schedule or the accuracy guard
+    changes what the site runs, every tile is tested again. Maps belong to the pipeline call and are freed when
+    it ends.
     """
 
     target_sparsity: float | None = None
     threshold: float | None = None
     disabled_until_timestep: float = 0.0
+    reuse_steps: int = 0
 
     def __post_init__(self):
         if self.target_sparsity is not None:
@@ -129,6 +137,11 @@ class SkipSoftmaxSpec:
                 f"{self.threshold!r} are mutually exclusive: set one of them")
         object.__setattr__(self, "disabled_until_timestep", finite_number(
             "skip_softmax.disabled_until_timestep", self.disabled_until_timestep, 0.0, 1.0))
+        if type(self.reuse_steps) is not int or self.reuse_steps < 0:
+            raise invalid("skip_softmax.reuse_steps", self.reuse_steps, "an int >= 0 (0: every step tests every tile)")
+        if self.reuse_steps and not self.skips:
+            raise invalid("skip_softmax.reuse_steps", self.reuse_steps,
+                          "0 unless skip_softmax.target_sparsity or threshold is set (it reuses what they skip)")
 
     @property
     def skips(self) -> bool:

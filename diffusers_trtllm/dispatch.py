@@ -57,10 +57,12 @@ def set_dispatch_config(config: AttentionConfig | dict | str | None) -> None:
             f"per_role keys {sorted(config.per_role)} need this package's processors (enable_trtllm_attention); "
             "set_dispatch_config takes a default spec only")
     skip = config.default.skip_softmax
-    if skip is not None and (skip.disabled_until_timestep > 0 or skip.target_sparsity is not None):
+    if skip is not None and (skip.disabled_until_timestep > 0 or skip.target_sparsity is not None
+                             or skip.reuse_steps):
         raise AttentionConfigError(
-            "skip_softmax.disabled_until_timestep and target_sparsity need the pipeline's timestep and "
-            "calibration (enable_trtllm_attention); set_dispatch_config takes skip_softmax.threshold only")
+            "skip_softmax.disabled_until_timestep, target_sparsity and reuse_steps need the pipeline's steps, "
+            "timestep and calibration (enable_trtllm_attention); set_dispatch_config takes skip_softmax.threshold "
+            "only")
     spec = config.default
     if spec.dense_kernel != AUTO:
         raise AttentionConfigError(

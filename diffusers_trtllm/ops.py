@@ -36,7 +36,7 @@ from .backends import masked_dense_attention, planned_route, run_backend, select
 from .backends.base import KernelPlan, VarlenQKV, backend_for_route
 from .config import AttnQuantSpec
 from .errors import BackendUnavailableError, warn_once
-from .run_state import OWNER, SETTINGS, SITE, open_run
+from .run_state import OWNER, REUSE_FRESH, SETTINGS, SITE, open_run
 
 
 def encode_quant(quant: AttnQuantSpec | None) -> str:
@@ -69,12 +69,19 @@ def _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per
     run = open_run(owner)
     if run is None and owner:
         _outside_a_run(owner)
-    value, sage, probe_rows = run.settings[site].tolist() if run is not None else own[:SETTINGS]
+    value, sage, probe_rows, reuse_mode = run.settings[site].tolist() if run is not None else own[:SETTINGS]
     qkv, rows = packed_problem(q, k, v, valid_lengths)
     if run is not None and run.probing[site]:
         call = run.calls[site]
         call.probe(call.site, qkv, scale=scale, causal=causal, tile=(tile_q, tile_kv))
         value = 0.0
+    tile_map = None
+    reuse = bool(reuse_mode and value and run is not None)  # a run owns the maps; outside one none is reused
+    if reuse:
+        lengths = (qkv.seqlens_q, qkv.seqlens_kv)
+        branch, tile_map = run.tile_map(site, lengths)
+        if tile_map is not None and reuse_mode == REUSE_FRESH:
+            tile_map.zero_()
     if not planned:
         backend = unplanned_backend(backend, qkv, causal, value, quant)
     factor = value * qkv.max_seqlen_kv if per_kv_len else value
@@ -83,10 +90,12 @@ def _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per
         raise BackendUnavailableError(reason)
     plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor,
                       quant=decode_quant(quant) if sage else None, tile=(tile_q, tile_kv), count_skips=counting,
-                      return_lse=return_lse)
+                      return_lse=return_lse, reuse=reuse, tile_map=tile_map)
     result = run_backend(backend, qkv, plan)
+    if reuse:
+        run.keep_tile_map(site, branch, lengths, result.tile_map)
     if counting:
-        run.count_call(site, result.skipped_tiles, result.total_tiles)
+        run.count_call(site, result.skipped_tiles, result.total_tiles, result.reused_tiles)
         if probe_rows:
             run.error_sums[site] += probe_error_sums(qkv, result.out, int(probe_rows), scale, causal)
     if rows is None:

@@ -13,6 +13,7 @@ skipping) away from a layer above its bound for the rest of the run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -27,7 +28,7 @@ from .config import (AUTO, TORCH_REFERENCE, TRTLLM_ATTN, AccuracySpec, Attention
                      SkipSoftmaxSpec)
 from .errors import AttentionConfigError, BackendUnavailableError, warn_once, warn_user
 from .ops import encode_quant
-from .run_state import OWNER, SAGE, SKIP, Run, RunKey, initial_settings
+from .run_state import OWNER, REUSE, REUSE_FRESH, REUSE_KEEP, REUSE_OFF, SAGE, SKIP, Run, RunKey, initial_settings
 
 
 @dataclass(frozen=True)
@@ -154,26 +155,34 @@ class AttentionCall:
         call.skip_value.fill_(call.step_value(None))
         return call
 
-    def mode(self, skipping: bool, quantized: bool | None = None) -> str:
-        """Short name of what runs: ``dense``, ``skip``, ``sage-int8``, ``sage-fp8_e4m3+skip``... (``quantized``:
-        whether SAGE runs; None: whenever the call has it); ``dense[flash_attn4]`` names Hopper's dense kernel."""
+    def mode(self, skipping: bool, quantized: bool | None = None, reusing: bool = False) -> str:
+        """Short name of what runs: ``dense``, ``skip``, ``sage-int8``, ``sage-fp8_e4m3+skip``,
+        ``sage-fp8_e4m3+skip+reuse`` (a step reusing tile maps)... (``quantized``: whether SAGE runs; None:
+        whenever the call has it); ``dense[flash_attn4]`` names Hopper's dense kernel."""
         quantized = self.quant is not None if quantized is None else quantized and self.quant is not None
         parts = [f"sage-{self.quant.dtype_qk}"] if quantized else []
-        return "+".join(parts + (["skip"] if skipping else [])) or (
-            f"dense[{self.dense_kernel}]" if self.dense_kernel else "dense")
+        parts += (["skip"] if skipping else []) + (["reuse"] if skipping and reusing else [])
+        return "+".join(parts) or (f"dense[{self.dense_kernel}]" if self.dense_kernel else "dense")
 
     def mode_of(self, row) -> str:
         """What a settings row runs."""
-        return self.mode(bool(row[SKIP]), bool(row[SAGE]))
+        return self.mode(bool(row[SKIP]), bool(row[SAGE]), row[REUSE] == REUSE_KEEP)
+
+    @property
+    def reuse_steps(self) -> int:
+        """Steps a Skip-Softmax tile map is reused after the step that made it (0: no reuse)."""
+        return self.skip.reuse_steps if self.skip is not None else 0
 
     def plan_row(self, timestep: float | None, step: int, dropped: set = frozenset()) -> tuple[list[float], bool]:
         """The settings row for step ``step`` at normalized ``timestep`` (skip value and SAGE as the gates and the
-        guard's ``dropped`` allow, probe rows at probed steps), and whether the step is probed."""
+        guard's ``dropped`` allow, probe rows at probed steps, tile maps kept where skipping reuses them: made
+        afresh, the run decides when to reuse them), and whether the step is probed."""
         skip = 0.0 if "skip" in dropped else self.step_value(timestep)
         sage = self.quant is not None and "sage" not in dropped and self.quant.runs_at(timestep)
         probed = self.probed and self.accuracy.probes(step)
         rows = self.accuracy.probe_rows if probed else 0
-        return [skip, float(sage), float(rows)], probed
+        reuse = REUSE_FRESH if skip and self.reuse_steps else REUSE_OFF
+        return [skip, float(sage), float(rows), reuse], probed
 
     def step_value(self, timestep: float | None, skip: SkipSoftmaxSpec | None = None) -> float:
         """The skip value for a step at normalized ``timestep`` (None: no timestep known)."""
@@ -252,7 +261,8 @@ class CallPlanner:
         probe_kv = torch.empty(1, layout.heads_kv, layout.head_dim, device=device, dtype=dtype)
         # The skip factor's value does not change what can run, only whether it skips: plan with "skips".
         kernel = KernelPlan(backend=spec.backend, scale=layout.head_dim ** -0.5, causal=traits.causal,
-                            skip_factor=1.0 if skip is not None else 0.0, quant=quant)
+                            skip_factor=1.0 if skip is not None else 0.0, quant=quant,
+                            reuse=skip is not None and skip.reuse_steps > 0)
         qkv = VarlenQKV(probe, probe_kv, probe_kv, (1,), (1,))
         try:
             choice = select_backend(spec.backend, kernel, qkv)
@@ -275,7 +285,9 @@ class CallPlanner:
                 f"non-causal attention only, so {site.role!r} runs dense on {choice.name}; a per_role entry for "
                 f"{site.role!r} chooses its backend instead"))
         requested_skip = skip
-        if choice.dropped:
+        if choice.reuse_dropped:
+            skip = dataclasses.replace(skip, reuse_steps=0)
+        elif choice.dropped:
             skip, quant, calibration = None, None, None
         try:
             route = planned_route(choice, device, spec.dense_kernel)
@@ -285,7 +297,7 @@ class CallPlanner:
         if quant is not None and (quant.scheduled or (spec.accuracy is not None and spec.accuracy.max_error)):
             # the SAGE step schedule and the guard run this site dense at some steps: that must run here too
             dense = KernelPlan(backend=choice.name, scale=kernel.scale, causal=traits.causal,
-                               skip_factor=kernel.skip_factor)
+                               skip_factor=kernel.skip_factor, reuse=skip is not None and skip.reuse_steps > 0)
             reason = get_backend(choice.name).unavailable_reason(dense, qkv)
             if reason is not None:
                 raise BackendUnavailableError(
@@ -353,10 +365,32 @@ class CallPlanner:
         rows = []
         for i, call in enumerate(run.calls):
             row, run.step_probed[i] = call.plan_row(timestep, step, run.guard_dropped[i])
+            row[REUSE] = self._reuse(run, i, call, row)
             rows.append(row)
             run.probing[i] = call.probe is not None and call.step_value(timestep, call.requested_skip) > 0.0
         if rows:
             run.settings.copy_(torch.tensor(rows, dtype=torch.float64))
+
+    @staticmethod
+    def _reuse(run: Run, index: int, call: AttentionCall, row: list[float]) -> float:
+        """Site ``index``'s ``[REUSE]`` for the step planned in ``row``, after counting the step that ended: its
+        maps are reused for ``call.reuse_steps`` steps after the step that made them, while the site runs the same
+        mode (the timestep gate, the SAGE schedule and the guard change modes); a step the site was not called
+        in counts for nothing."""
+        ran, state = run.settings[index].tolist(), run.reuse_state[index]
+        if run.step_calls[index]:
+            if ran[REUSE] == REUSE_FRESH:
+                state = (0, ran[SAGE])
+            elif ran[REUSE] == REUSE_KEEP:
+                state = (state[0] + 1, state[1])
+        run.step_calls[index] = 0
+        if row[REUSE] == REUSE_OFF:
+            run.reuse_state[index] = None
+            run.drop_tile_maps(index)
+            return REUSE_OFF
+        run.reuse_state[index] = state
+        keep = state is not None and state[1] == row[SAGE] and state[0] < call.reuse_steps
+        return REUSE_KEEP if keep else REUSE_FRESH
 
     @staticmethod
     def guarding(run: Run) -> bool:

@@ -19,13 +19,17 @@ from typing import Any, Mapping
 import torch
 
 #: indices into a site's settings row
-SKIP, SAGE, PROBE = 0, 1, 2
-SETTINGS = 3
+SKIP, SAGE, PROBE, REUSE = 0, 1, 2, 3
+SETTINGS = 4
 #: a call's own settings (what runs outside a run) also carry its handle's run key and its site index, so every
 #: call site reaches the op through tensor values, never through a Python constant the compiler specializes on
-OWNER, SITE = 3, 4
-#: columns of a site's device counters: skipped KV tiles, tiles
-TILES = 2
+OWNER, SITE = 4, 5
+#: ``[REUSE]`` values: no tile map; test every tile and keep the map; skip the map's tiles untested
+REUSE_OFF, REUSE_FRESH, REUSE_KEEP = 0.0, 1.0, 2.0
+#: columns of a site's device counters: KV tiles skipped by the test, tiles, tiles skipped by reuse
+TILES = 3
+#: tile maps a site keeps per step (a classifier-free-guidance pass is one): a call past them tests every tile
+MAX_BRANCHES = 4
 
 _KEYS = itertools.count(1)
 
@@ -57,10 +61,13 @@ def initial_settings(skip_value: float = 0.0) -> torch.Tensor:
 class Run:
     """One run's state, indexed by call site (the planner's order).
 
-    ``settings``: float64 CPU ``[sites, 3]``, planned once per step (skip value, SAGE switch, probe rows).
-    ``tiles`` / ``error_sums``: on the attention device, added to by the op when ``counting`` (skipped and all KV
-    tiles; the probe's ``[Σ error², Σ exact²]``); ``call_counts``: on the host, per site ``[calls, calls whose
-    backend counted tiles]`` since the counters were last kept.
+    ``settings``: float64 CPU ``[sites, 4]``, planned once per step (skip value, SAGE switch, probe rows, reuse).
+    ``tiles`` / ``error_sums``: on the attention device, added to by the op when ``counting`` (KV tiles skipped by
+    the test, all, skipped by reuse; the probe's ``[Σ error², Σ exact²]``); ``call_counts``: on the host, per
+    site ``[calls, calls whose backend counted tiles]`` since the counters were last kept.
+    ``tile_maps``: Skip-Softmax reuse, per ``(site, branch)`` (the site's n-th call in a step is branch n): the
+    lengths of the call that made it and its map; ``step_calls``: per site, calls in this step;
+    ``reuse_state``: per site, ``(steps the map was reused since it was made, mode it was made in)`` or None.
     ``probing``: per site, this step's calls that would skip go to ``calls[i].probe`` and run dense (calibration).
     ``guard_dropped``: per site, what the accuracy guard took away for the rest of the run.
     ``data``: what the run's owner keeps beside (statistics, the step's channel).
@@ -76,6 +83,9 @@ class Run:
     probing: list = field(default_factory=list)
     guard_dropped: list = field(default_factory=list)
     step_probed: list = field(default_factory=list)
+    tile_maps: dict = field(default_factory=dict)
+    step_calls: list = field(default_factory=list)
+    reuse_state: list = field(default_factory=list)
     step: int | None = None
     timestep: float | None = None
     is_open: bool = True
@@ -91,18 +101,49 @@ class Run:
             tiles = torch.zeros(sites, TILES, dtype=torch.int64, device=device)
             error_sums = torch.zeros(sites, 2, dtype=torch.float64, device=device)
         return cls(key, tuple(calls), settings, tiles, error_sums, counting, [[0, 0] for _ in range(sites)],
-                   probing=[False] * sites, guard_dropped=[set() for _ in range(sites)], step_probed=[False] * sites)
+                   probing=[False] * sites, guard_dropped=[set() for _ in range(sites)], step_probed=[False] * sites,
+                   step_calls=[0] * sites, reuse_state=[None] * sites)
 
-    def count_call(self, site: int, skipped=None, total=None) -> None:
-        """One call of ``site``; ``skipped`` / ``total`` (device or host numbers) where its backend counted tiles.
-        In place, no copy between host and device."""
+    def count_call(self, site: int, skipped=None, total=None, reused=None) -> None:
+        """One call of ``site``; ``skipped`` / ``total`` / ``reused`` (device or host numbers) where its backend
+        counted tiles. In place, no copy between host and device."""
         calls = self.call_counts[site]
         calls[0] += 1
         if skipped is not None:
             row = self.tiles[site]
             row[0] += skipped
             row[1] += total
+            if reused is not None:
+                row[2] += reused
             calls[1] += 1
+
+    def tile_map(self, site: int, lengths: tuple) -> tuple[int, torch.Tensor | None]:
+        """This call's branch of ``site`` (counted per step) and its tile map when one was made by a call of the
+        same ``lengths`` (else None: every tile is tested). Branches past :data:`MAX_BRANCHES` get -1."""
+        branch = self.step_calls[site]
+        self.step_calls[site] += 1
+        if branch >= MAX_BRANCHES:
+            return -1, None
+        kept = self.tile_maps.get((site, branch))
+        return branch, kept[1] if kept is not None and kept[0] == lengths else None
+
+    def keep_tile_map(self, site: int, branch: int, lengths: tuple, tile_map: torch.Tensor | None) -> None:
+        if branch >= 0 and tile_map is not None:
+            self.tile_maps[(site, branch)] = (lengths, tile_map)
+
+    def drop_tile_maps(self, site: int | None = None) -> None:
+        """Free ``site``'s tile maps (every site's when None)."""
+        for key in [key for key in self.tile_maps if site is None or key[0] == site]:
+            del self.tile_maps[key]
+
+    def tile_map_bytes(self, site: int) -> int:
+        """Memory held by ``site``'s tile maps."""
+        return sum(m.numel() * m.element_size() for (s, _), (_, m) in self.tile_maps.items() if s == site)
+
+    def close(self) -> None:
+        """The run ended: its tile maps are freed (what is read afterwards is its statistics)."""
+        self.is_open = False
+        self.drop_tile_maps()
 
     @property
     def called(self) -> bool:
@@ -110,8 +151,9 @@ class Run:
         return any(calls for calls, _ in self.call_counts)
 
     def counts_of(self, site: int) -> list[int]:
-        """``[skipped tiles, tiles, calls, calls that counted tiles]`` of ``site`` so far (a host read)."""
-        return self.tiles[site].tolist() + self.call_counts[site]
+        """``[tiles skipped by the test, tiles, calls, calls that counted tiles]`` of ``site`` so far (a host read;
+        tiles skipped by reuse are ``tiles[site, 2]``)."""
+        return self.tiles[site, :2].tolist() + self.call_counts[site]
 
 
 #: per context: handle key -> its run there (open, or the last one that ended there)

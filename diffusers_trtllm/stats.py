@@ -26,6 +26,8 @@ class CallRecord:
     calls: int = 0
     skipped: int = 0
     total: int = 0
+    #: tiles skipped because the step before skipped them (Skip-Softmax reuse), apart from ``skipped`` (the test's)
+    reused: int = 0
     counted: bool = True
     probed: bool = False
     error_sq: float = 0.0
@@ -38,10 +40,10 @@ class CallRecord:
 
     @property
     def sparsity(self) -> float | None:
-        """Skipped KV tiles / all tiles, or None when the backend did not count."""
+        """Skipped KV tiles (by the test or by reuse) / all tiles, or None when the backend did not count."""
         if not self.counted:
             return None
-        return self.skipped / self.total if self.total else 0.0
+        return (self.skipped + self.reused) / self.total if self.total else 0.0
 
     @property
     def error(self) -> float | None:
@@ -69,7 +71,7 @@ class AttentionStats:
         self._run = run if run is not None and run.counting else None
         calls = self._run.calls if self._run is not None else ()
         self._probed = [i for i, call in enumerate(calls) if call.accuracy is not None]
-        # (step, modes, tiles [sites, 2], host call counts [sites][2], probed flags, error sums [probed, 2] or None)
+        # (step, modes, tiles [sites, 3], host call counts [sites][2], probed flags, error sums [probed, 2] or None)
         self._steps: list[tuple] = []
         self._records: dict = {}
 
@@ -108,8 +110,8 @@ class AttentionStats:
                   [[] for _ in self._steps])
         for (step, modes, _, host, probed, _), rows, sums in zip(self._steps, values, errors):
             probe = {index: (flag, pair) for index, flag, pair in zip(self._probed, probed, sums)}
-            for index, (call, mode, (skipped, total), (n_calls, counted)) in enumerate(zip(calls, modes, rows,
-                                                                                            host)):
+            for index, (call, mode, (skipped, total, reused), (n_calls, counted)) in enumerate(
+                    zip(calls, modes, rows, host)):
                 if not n_calls:
                     continue
                 key = (step, call.site.qualified_layer, call.backend, mode)
@@ -117,6 +119,7 @@ class AttentionStats:
                 rec.calls += n_calls
                 rec.skipped += skipped
                 rec.total += total
+                rec.reused += reused
                 rec.counted = rec.counted and counted == n_calls
                 flag, (error_sq, exact_sq) = probe.get(index, (False, (0.0, 0.0)))
                 if flag:
@@ -126,15 +129,15 @@ class AttentionStats:
         self._steps.clear()
         return records
 
-    def _sparsity_by(self, index: int) -> dict:
-        """Skipped / all KV tiles per group, over the calls that ran Skip-Softmax; None for a group where none
-        did (the gate kept it dense, or it does not skip) or none was counted."""
+    def _sparsity_by(self, index: int, reused_only: bool = False) -> dict:
+        """Skipped (``reused_only``: by reuse) / all KV tiles per group, over the calls that ran Skip-Softmax;
+        None for a group where none did (the gate kept it dense, or it does not skip) or none was counted."""
         skipped, total, counted = defaultdict(int), defaultdict(int), set()
         records = self.records
         for key, rec in records.items():
             if rec.skips and rec.counted:
                 group = key[index]
-                skipped[group] += rec.skipped
+                skipped[group] += rec.reused + (0 if reused_only else rec.skipped)
                 total[group] += rec.total
                 counted.add(group)
         groups = sorted({key[index] for key in records})  # steps in number order, layers by name
@@ -149,6 +152,19 @@ class AttentionStats:
         """Achieved sparsity per layer over the steps it ran Skip-Softmax in (None: it never did, or was never
         counted)."""
         return self._sparsity_by(1)
+
+    def reused_per_step(self) -> dict[int, float | None]:
+        """The share of KV tiles skipped by reuse (part of :meth:`per_step`'s sparsity) per step."""
+        return self._sparsity_by(0, reused_only=True)
+
+    def tile_map_bytes(self) -> dict[str, int]:
+        """Memory the run's Skip-Softmax tile maps hold now, per layer that keeps some (freed when the run
+        ends, so empty afterwards)."""
+        run = self._run
+        if run is None:
+            return {}
+        held = {call.site.qualified_layer: run.tile_map_bytes(i) for i, call in enumerate(run.calls)}
+        return {layer: size for layer, size in held.items() if size}
 
     def skipping(self, index: int = 0) -> set:
         """The steps (``index`` 1: layers) where some call ran Skip-Softmax."""
@@ -185,20 +201,23 @@ class AttentionStats:
 
     def summary(self) -> dict:
         """One-call summary: sparsity over the calls that ran Skip-Softmax (overall, per step, per layer; None
-        where none did), and the modes that ran; where the accuracy probe ran, its relative error overall
+        where none did; ``reused``: the share of tiles skipped by reuse, part of ``sparsity``), and the modes that
+        ran; where the accuracy probe ran, its relative error overall
         (``error``, None when it did not), per step and per layer."""
         counted = [r for r in self.records.values() if r.skips and r.counted]
-        skipped, total = sum(r.skipped for r in counted), sum(r.total for r in counted)
+        reused, total = sum(r.reused for r in counted), sum(r.total for r in counted)
+        skipped = sum(r.skipped for r in counted) + reused
         probed = [r for r in self.records.values() if r.probed]
         error = relative_error(sum(r.error_sq for r in probed), sum(r.exact_sq for r in probed)) if probed else None
-        return {"sparsity": skipped / total if total else None, "per_step": self.per_step(),
+        return {"sparsity": skipped / total if total else None, "reused": reused / total if total else None,
+                "per_step": self.per_step(),
                 "per_layer": self.per_layer(), "modes": self.modes(), "error": error,
                 "error_per_step": self.error_per_step(), "error_per_layer": self.error_per_layer()}
 
     def table(self) -> str:
         """Markdown table: one row per step with its modes, achieved sparsity over the layers that skipped
         ("off": no layer ran Skip-Softmax in the step, e.g. the timestep gate kept it dense; "n/a": the backend
-        does not count) and, where the accuracy probe ran, its relative error over all probed layers and the
+        does not count; "(… reused)": the share skipped by reuse) and, where the accuracy probe ran, its relative error over all probed layers and the
         worst layer's ("-": the step was not probed)."""
         errors, error_per_step = self.errors(), self.error_per_step()
         worst: dict = {}
@@ -206,13 +225,15 @@ class AttentionStats:
             if step not in worst or error > worst[step][1]:
                 worst[step] = (layer, error)
         lines = ["| step | modes | sparsity | probed error | worst layer (error) |", "|---:|---|---:|---:|---|"]
-        per_step, skipping = self.per_step(), self.skipping()
+        per_step, skipping, reused = self.per_step(), self.skipping(), self.reused_per_step()
         for step, modes in self.modes().items():
             sp = per_step.get(step)
             text = ", ".join(f"{n}× {m}" for m, n in sorted(modes.items()))
             probe = (f"{error_per_step[step]:.2e} | {worst[step][0]} ({worst[step][1]:.2e})" if step in worst
                      else "- | -")
             shown = "off" if step not in skipping else "n/a" if sp is None else f"{sp:.3f}"
+            if reused.get(step):
+                shown += f" ({reused[step]:.3f} reused)"
             lines.append(f"| {step} | {text} | {shown} | {probe} |")
         return "\n".join(lines)
 

@@ -77,7 +77,7 @@ class RunTracker:
         if not run.is_open:
             return
         self._close_step(run)
-        run.is_open = False
+        run.close()
         self.last_ended = run
 
     def advance(self, run: Run, step: int, timestep: float | None) -> None:

@@ -67,7 +67,7 @@ def test_a_step_keeps_every_call_of_a_layer_and_zeroes_the_counters():
     assert stats.per_layer() == {"transformer.a": 6 / 12, "transformer.b": None}
     assert stats.modes() == {0: {"TORCH_REFERENCE:skip": 1, "TORCH_REFERENCE:dense": 1},
                              1: {"TORCH_REFERENCE:skip": 1}}
-    assert stats.summary() == {"sparsity": 6 / 12, "per_step": stats.per_step(), "per_layer": stats.per_layer(),
+    assert stats.summary() == {"sparsity": 6 / 12, "reused": 0.0, "per_step": stats.per_step(), "per_layer": stats.per_layer(),
                                "modes": stats.modes(), "error": None, "error_per_step": {}, "error_per_layer": {}}
     assert stats.table() == "\n".join([
         "| step | modes | sparsity | probed error | worst layer (error) |", "|---:|---|---:|---:|---|",

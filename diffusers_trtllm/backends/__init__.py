@@ -26,6 +26,8 @@ class BackendChoice:
 
     name: str
     dropped: str = ""
+    #: ``auto`` kept Skip-Softmax and SAGE but not their reuse of tile maps (said in ``dropped``)
+    reuse_dropped: bool = False
 
     @property
     def route(self) -> str:
@@ -34,13 +36,15 @@ class BackendChoice:
 
 
 def _features(plan: KernelPlan) -> list[str]:
-    return (["Skip-Softmax"] if plan.skips else []) + ([f"SAGE {plan.quant.dtype_qk}"] if plan.quant else [])
+    return ((["Skip-Softmax"] if plan.skips else []) + ([f"SAGE {plan.quant.dtype_qk}"] if plan.quant else [])
+            + (["Skip-Softmax reuse"] if plan.reuse else []))
 
 
 def select_backend(requested: str, plan: KernelPlan, qkv: VarlenQKV) -> BackendChoice:
     """An explicit backend that cannot run ``plan`` raises with its reason. ``auto`` takes the most preferred
     backend that runs the plan; when none does (skip or SAGE on a GPU without TRT-LLM kernels, or on a CPU), it
-    takes the fastest dense backend and says in ``dropped`` what was dropped and why."""
+    takes the fastest dense backend and says in ``dropped`` what was dropped and why (where only the reuse of tile
+    maps keeps a plan from running, that alone)."""
     if requested != AUTO:
         reason = get_backend(requested).unavailable_reason(plan, qkv)
         if reason:
@@ -53,9 +57,14 @@ def select_backend(requested: str, plan: KernelPlan, qkv: VarlenQKV) -> BackendC
         if reason is None:
             return BackendChoice(backend.name)
         passed_over.append(f"{backend.name}: {reason}")
+    if plan.reuse:
+        without = select_backend(AUTO, replace(plan, reuse=False), qkv)
+        if not without.dropped:
+            return BackendChoice(without.name, f"Skip-Softmax reuse dropped ({'; '.join(passed_over)})",
+                                 reuse_dropped=True)
     features = _features(plan)
     if features:
-        dense = replace(plan, skip_factor=0.0, quant=None)
+        dense = replace(plan, skip_factor=0.0, quant=None, reuse=False)
         for backend in candidates:
             if backend.unavailable_reason(dense, qkv) is None:
                 return BackendChoice(backend.name, f"{' and '.join(features)} dropped ({'; '.join(passed_over)})")

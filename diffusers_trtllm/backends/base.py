@@ -131,6 +131,10 @@ class KernelPlan:
     tile: tuple[int, int] = DEFAULT_TILE
     count_skips: bool = False
     return_lse: bool = False
+    #: Skip-Softmax reuse (:func:`tile_map_for`): the backend runs with a tile map, ``tile_map`` when it fits the
+    #: call (skipped there without being computed), else a zeroed one (every tile tested)
+    reuse: bool = False
+    tile_map: torch.Tensor | None = None
 
     @property
     def skips(self) -> bool:
@@ -149,6 +153,54 @@ class KernelResult:
     #: with ``KernelPlan.return_lse``: float32 ``[total_q, heads_q]``, natural log of each row's sum of
     #: exp(scale · scores) over the keys it kept (``-inf`` for a row that sees no key)
     lse: torch.Tensor | None = None
+    #: with ``KernelPlan.reuse``: the tile map the call ran with, updated in place to every tile it skipped, and
+    #: the tiles it skipped by reuse (``skipped_tiles`` then counts those skipped by the test only)
+    tile_map: torch.Tensor | None = None
+    reused_tiles: int | torch.Tensor | None = None
+
+
+#: bits per word of a tile map
+TILE_MAP_BITS = 32
+
+
+def tile_map_shape(seqlens_q, seqlens_kv, heads_q: int, tile: tuple[int, int]) -> tuple[int, int, int, int]:
+    """``[batch, heads_q, query tiles, words]`` of the tile map of a batch with these lengths deciding skips per
+    ``tile`` (query rows, keys): one bit per KV tile, :data:`TILE_MAP_BITS` to an int32 word."""
+    q_tiles = -(-max(seqlens_q) // tile[0])
+    kv_tiles = -(-max(seqlens_kv) // tile[1])
+    return len(seqlens_q), heads_q, q_tiles, -(-kv_tiles // TILE_MAP_BITS)
+
+
+def tile_map_for(plan: KernelPlan, qkv: VarlenQKV, tile: tuple[int, int]) -> torch.Tensor | None:
+    """The tile map a backend deciding skips per ``tile`` runs ``plan`` with: None without ``plan.reuse``;
+    ``plan.tile_map`` where it has this call's geometry; else a zeroed map (a branch's first step, or a call
+    whose kernel tile changed). Layout: bit ``j % 32`` of int32 word ``[b, h, i, j // 32]`` set means KV tile
+    ``j`` is skipped for query tile ``i`` of query head ``h`` of sequence ``b`` (tiles counted from each
+    sequence's own first row; bits past its tiles are 0). A kernel skips the set tiles without loading or
+    multiplying them, tests the others as Skip-Softmax does, and leaves set every tile it skipped."""
+    if not plan.reuse:
+        return None
+    shape = tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], tile)
+    given = plan.tile_map
+    if given is not None and tuple(given.shape) == shape and given.device == qkv.q.device:
+        return given
+    return torch.zeros(shape, dtype=torch.int32, device=qkv.q.device)
+
+
+def unpack_tile_map(words: torch.Tensor, kv_tiles: int) -> torch.Tensor:
+    """bool ``[..., kv_tiles]`` of int32 words ``[..., words]`` (:func:`tile_map_for`'s layout)."""
+    bits = torch.arange(TILE_MAP_BITS, device=words.device, dtype=torch.int32)
+    unpacked = (words[..., None] >> bits) & 1
+    return unpacked.flatten(-2)[..., :kv_tiles].bool()
+
+
+def pack_tile_map(skipped: torch.Tensor, words: int) -> torch.Tensor:
+    """int32 words ``[..., words]`` of bool ``[..., kv_tiles]`` (:func:`tile_map_for`'s layout)."""
+    padded = torch.nn.functional.pad(skipped.long(), (0, words * TILE_MAP_BITS - skipped.shape[-1]))
+    weights = torch.ones(TILE_MAP_BITS, dtype=torch.long, device=skipped.device) << torch.arange(
+        TILE_MAP_BITS, device=skipped.device)
+    packed = (padded.view(*skipped.shape[:-1], words, TILE_MAP_BITS) * weights).sum(-1)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)  # bit 31 is the sign bit
 
 
 class Backend(Protocol):

@@ -30,7 +30,8 @@ import torch
 
 from ..config import TORCH_REFERENCE
 from ..quant import SageSemantics, batch_statistics, quantize_p, quantize_sequence
-from .base import KernelPlan, KernelResult, VarlenQKV, register_backend
+from .base import (KernelPlan, KernelResult, VarlenQKV, pack_tile_map, register_backend, tile_map_for,
+                   unpack_tile_map)
 from .trtllm import sage_semantics
 
 QUERY_CHUNK = 2048  # query rows processed together; a multiple of every supported tile height
@@ -91,7 +92,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
                         skip_lambda: float = 0.0, quant: SageSemantics | None = None,
                         tile: tuple[int, int] = (128, 128), kv_step: int | None = None,
                         query_chunk: int = QUERY_CHUNK, k_mean: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None, with_lse: bool = False) -> tuple:
+                        v_scale: torch.Tensor | None = None, with_lse: bool = False,
+                        tile_map: torch.Tensor | None = None) -> tuple:
     """Attention of one sequence. q ``[Sq, Hq, D]``, k/v ``[Skv, Hkv, D]`` (GQA when Hkv < Hq).
 
     ``skip_lambda`` is λ (0 = dense); ``quant`` the :class:`~diffusers_trtllm.quant.SageSemantics` of a SAGE
@@ -110,20 +112,30 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     float64 ``[Sq, Hq]``, ``-inf`` for a row that sees no key): what merges partial results over split keys
     (ring attention). With SAGE it is of the scores the kernel computes, K's smoothing mean added back (smoothing
     shifts each row's scores by ``scale · q · mean(K)``, which differs between key splits).
+
+    ``tile_map`` (int32 ``[Hq, ≥ query tiles, words]``, :func:`~.base.tile_map_for`'s layout for this sequence):
+    Skip-Softmax reuse. A tile whose bit is set is skipped without being computed (its scores enter neither the
+    running max nor the sum); the others are tested as above; on return the map holds every tile skipped (updated
+    in place) and the skipped count is of the tiles the test skipped (the reused ones are the bits set on entry).
     """
     if quant is not None and quant.q_padded_to_kv and q.shape[0] != k.shape[0]:
         if causal or q.shape[0] > k.shape[0]:
             raise ValueError(f"SageSemantics.q_padded_to_kv pads queries to the keys in non-causal attention; got "
                              f"{q.shape[0]} queries on {k.shape[0]} keys, causal={causal}")
         zeros = q.new_zeros(k.shape[0] - q.shape[0], *q.shape[1:])
+        # the padded queries' tiles have map rows of their own, dropped after the call
+        padded_map = None if tile_map is None else torch.nn.functional.pad(
+            tile_map, (0, 0, 0, -(-k.shape[0] // tile[0]) - tile_map.shape[1]))
         result = reference_attention(torch.cat([q, zeros]), k, v, scale, skip_lambda=skip_lambda, quant=quant,
                                      tile=tile, kv_step=kv_step, query_chunk=query_chunk, k_mean=k_mean,
-                                     v_scale=v_scale, with_lse=with_lse)
+                                     v_scale=v_scale, with_lse=with_lse, tile_map=padded_map)
+        if tile_map is not None:
+            tile_map.copy_(padded_map[:, :tile_map.shape[1]])
         return (result[0][:q.shape[0]], *result[1:3]) + ((result[3][:q.shape[0]],) if with_lse else ())
     sample = quant.skip_sample if quant is not None else None
     if skip_lambda == 0.0 or sample is None:
         out, skipped, tiles, lse = _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step,
-                                                    query_chunk, k_mean, v_scale)
+                                                    query_chunk, k_mean, v_scale, tile_map)
         result = out, skipped if isinstance(skipped, int) else skipped.sum(), tiles * q.shape[1]
         return result + ((lse,) if with_lse else ())
     if causal:
@@ -134,14 +146,23 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     for row in range(q.shape[0]):
         rows[row // tile[0] % every == 0].append(row)
     sampled, others = (torch.tensor(rows[flag], dtype=torch.long, device=q.device) for flag in (True, False))
+    # the two sets are whole query tiles in order (a partial last tile ends its set): each keeps its map rows
+    q_tiles = -(-q.shape[0] // tile[0])
+    tile_ids = {flag: torch.tensor([t for t in range(q_tiles) if (t % every == 0) == flag], dtype=torch.long,
+                                   device=q.device) for flag in (True, False)}
+    maps = {flag: None if tile_map is None else tile_map.index_select(1, ids) for flag, ids in tile_ids.items()}
     parts = [q.index_select(0, sampled), k, v, scale, causal]
     out_s, skipped_s, tiles_s, lse_s = _tiled_attention(*parts, skip_lambda, quant, tile, kv_step, query_chunk,
-                                                        k_mean, v_scale)
-    # the kernel's integer test: skipped · 100 >= percent · visited, per head
-    pays = skipped_s * 100 >= round(pays_from * 100) * tiles_s
+                                                        k_mean, v_scale, maps[True])
+    # the kernel's integer test: skipped · 100 >= percent · visited, per head; a reused skip counts as skipped
+    reused_s = 0 if tile_map is None else tiles_in_map(tile_map.index_select(1, tile_ids[True]))
+    pays = (skipped_s + reused_s) * 100 >= round(pays_from * 100) * tiles_s
     parts[0] = q.index_select(0, others)
     out_o, skipped_o, tiles_o, lse_o = _tiled_attention(*parts, torch.where(pays, skip_lambda, 0.0), quant, tile,
-                                                        kv_step, query_chunk, k_mean, v_scale)
+                                                        kv_step, query_chunk, k_mean, v_scale, maps[False])
+    if tile_map is not None:
+        for flag, ids in tile_ids.items():
+            tile_map.index_copy_(1, ids, maps[flag])
     out = torch.empty_like(q).index_copy_(0, sampled, out_s).index_copy_(0, others, out_o)
     result = out, (skipped_s + skipped_o).sum(), (tiles_s + tiles_o) * q.shape[1]
     if not with_lse:
@@ -149,9 +170,17 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return result + (lse_s.new_empty(q.shape[:2]).index_copy_(0, sampled, lse_s).index_copy_(0, others, lse_o),)
 
 
-def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, query_chunk, k_mean, v_scale):
-    """:func:`reference_attention`'s tile loop; ``skip_lambda`` a float or one λ per query head (0: dense).
-    Returns (out, skipped tiles per head ``[H]`` (int 0 when not skipping), tiles per head, lse ``[Sq, H]``)."""
+def tiles_in_map(tile_map: torch.Tensor) -> torch.Tensor:
+    """Set bits per head (int64 ``[H]``) of a sequence's tile map ``[H, query tiles, words]``."""
+    bits = torch.arange(32, device=tile_map.device, dtype=torch.int32)
+    return ((tile_map[..., None] >> bits) & 1).flatten(1).sum(1)
+
+
+def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, query_chunk, k_mean, v_scale,
+                     tile_map=None):
+    """:func:`reference_attention`'s tile loop; ``skip_lambda`` a float or one λ per query head (0: dense);
+    ``tile_map`` the sequence's map (reuse; updated in place). Returns (out, tiles the test skipped per head
+    ``[H]`` (int 0 when not skipping), tiles per head, lse ``[Sq, H]``)."""
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     sq, hq, d = q.shape
@@ -186,8 +215,12 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
     out = torch.empty(hq, sq, d, dtype=compute, device=q.device)
     lse = torch.empty(hq, sq, dtype=compute, device=q.device)
     skipped = tiles = 0
-    skipping = torch.is_tensor(skip_lambda) or skip_lambda > 0.0  # per-head λ: some heads may skip
+    # per-head λ: some heads may skip; with a tile map every head skips what the map holds
+    skipping = torch.is_tensor(skip_lambda) or skip_lambda > 0.0 or tile_map is not None
     lam = torch.as_tensor(skip_lambda, dtype=compute, device=q.device).reshape(-1, 1, 1)
+    if tile_map is not None:
+        reused_all = unpack_tile_map(tile_map[:, :-(-sq // tq)], -(-skv // tk))  # [H, query tiles, KV tiles]
+        skipped_all = reused_all.clone()
     for c0 in range(0, sq, chunk):
         rows = min(chunk, sq - c0)
         qc = qh[:, c0:c0 + rows]
@@ -216,8 +249,17 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
                 below = ((tmax == -math.inf) | (started & (torch.exp(tmax - m[..., None]) < lam))) & (lam > 0)
                 padded = torch.nn.functional.pad(below, (0, 0, 0, row_pad), value=True)
                 tile_skip = padded.view(hq, ntq, tq, ntk).all(dim=2)  # [H, ntq, ntk]
+                if tile_map is not None:
+                    # a reused tile is skipped untested (its scores are never computed by a kernel)
+                    tiles_here = (slice(None), slice(c0 // tq, c0 // tq + ntq), slice(j0 // tk, j0 // tk + ntk))
+                    reused = reused_all[tiles_here]
+                    tile_skip = tile_skip & ~reused
+                    skipped_all[tiles_here] |= tile_skip
+                    tile_skip_all = tile_skip | reused
+                else:
+                    tile_skip_all = tile_skip
                 skipped = skipped + tile_skip.sum(dim=(1, 2))  # stays on the device: no sync per tile
-                keep_tiles = ~tile_skip.repeat_interleave(tq, dim=1)[:, :rows]  # [H, rows, ntk]
+                keep_tiles = ~tile_skip_all.repeat_interleave(tq, dim=1)[:, :rows]  # [H, rows, ntk]
                 tmax = torch.where(keep_tiles, tmax, -math.inf)
                 keep = keep_tiles.repeat_interleave(tk, dim=2)[..., :cols].to(compute)
                 issued = keep_tiles.repeat_interleave(tk // GMMA_K, dim=2) if bits else None
@@ -228,7 +270,7 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
             safe_m = torch.where(new_m == -math.inf, torch.zeros_like(new_m), new_m)
             p = torch.exp(s - safe_m[..., None])
             if keep is not None:
-                p = p * keep  # a skipped tile adds no exp, no P·V and nothing to the running max
+                p = torch.where(keep > 0, p, 0.0)  # a skipped tile adds no exp, no P·V, nothing to the running max
             alpha = torch.exp(m - safe_m)
             pv_in = quantize_p(p, quant.p_scale) if quant is not None else p
             lsum = lsum * alpha + p.sum(-1)
@@ -240,6 +282,8 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
         # a row that sees no key (causal, more queries than keys) gets 0, as PyTorch's SDPA gives
         out[:, c0:c0 + rows] = torch.where(lsum[..., None] > 0, acc / lsum[..., None], 0.0)
         lse[:, c0:c0 + rows] = torch.where(lsum > 0, m + torch.log(lsum), -math.inf)
+    if tile_map is not None:
+        tile_map[:, :skipped_all.shape[1]] = pack_tile_map(skipped_all, tile_map.shape[-1])
     if quant is not None:
         out = out * (v_scale[:, None, :].to(compute) / quant.p_scale)
         lse = lse + lse_shift.nan_to_num()  # no keys: no shift (the row keeps -inf)
@@ -255,19 +299,21 @@ def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     if semantics is not None and semantics.batch_stats:
         k_mean, v_scale = batch_statistics(qkv.k.float(), qkv.v.float())
     lse = torch.empty(qkv.q.shape[:2], dtype=torch.float32, device=qkv.q.device) if plan.return_lse else None
-    for (q, k, v, rows), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
+    tile = (semantics.skip_tile or plan.tile) if semantics else plan.tile
+    tile_map = tile_map_for(plan, qkv, tile)
+    reused = None if tile_map is None else tiles_in_map(tile_map.flatten(0, 1)).sum()
+    for b, ((q, k, v, rows), kv_len) in enumerate(zip(qkv.sequences(), qkv.seqlens_kv)):
         lam = plan.skip_factor / kv_len if plan.skips and kv_len else 0.0  # a sample without keys gets zeros
         o, s, t, *row_lse = reference_attention(
-            q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=semantics,
-            tile=(semantics.skip_tile or plan.tile) if semantics else plan.tile,
+            q, k, v, plan.scale, causal=plan.causal, skip_lambda=lam, quant=semantics, tile=tile,
             kv_step=semantics.kv_step if semantics else None, k_mean=k_mean, v_scale=v_scale,
-            with_lse=plan.return_lse)
+            with_lse=plan.return_lse, tile_map=None if tile_map is None else tile_map[b])
         out[rows] = o
         if lse is not None:
             lse[rows] = row_lse[0].float()
         skipped += s
         total += t
-    return KernelResult(out, skipped, total, lse)
+    return KernelResult(out, skipped, total, lse, tile_map, reused)
 
 
 def _check(plan: KernelPlan, qkv: VarlenQKV) -> str | None:

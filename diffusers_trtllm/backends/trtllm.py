@@ -257,6 +257,16 @@ def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, more_queries_th
             "unset for the fastest")
 
 
+def _reuse_reason(plan: KernelPlan, arch: str) -> str | None:
+    """Why the kernels of ``arch`` cannot reuse Skip-Softmax tile maps for ``plan``, or None."""
+    if not plan.reuse or (arch in FMHA_V2_ARCHS and plan.quant is not None):
+        return None
+    kernel = f"trtllm-gen on {arch}" if arch in TRTLLM_GEN_ARCHS else "FMHAv2 bf16 (a step without SAGE)"
+    return (f"Skip-Softmax reuse (skip_softmax.reuse_steps) runs on Hopper's SAGE kernels (FMHAv2 SAGE fp8, "
+            f"Triton SAGE) and TORCH_REFERENCE; {kernel} has none: set quant.dtype_qk on Hopper, or "
+            "skip_softmax.reuse_steps 0")
+
+
 def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     quant = plan.quant
     if quant is None:
@@ -301,6 +311,9 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     if reason is not None:
         return reason
     arch = gpu_arch(qkv.q.device)
+    reason = _reuse_reason(plan, arch)
+    if reason is not None:
+        return reason
     if arch in FMHA_V2_ARCHS:
         return _hopper_reason(plan, qkv)
     return _blackwell_reason(plan, qkv, arch)
