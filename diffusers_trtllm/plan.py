@@ -181,7 +181,7 @@ class AttentionCall:
         sage = self.quant is not None and "sage" not in dropped and self.quant.runs_at(timestep)
         probed = self.probed and self.accuracy.probes(step)
         rows = self.accuracy.probe_rows if probed else 0
-        reuse = REUSE_FRESH if skip and self.reuse_steps else REUSE_OFF
+        reuse = REUSE_FRESH if skip and self.reuse_steps and "reuse" not in dropped else REUSE_OFF
         return [skip, float(sage), float(rows), reuse], probed
 
     def step_value(self, timestep: float | None, skip: SkipSoftmaxSpec | None = None) -> float:
@@ -377,20 +377,17 @@ class CallPlanner:
         maps are reused for ``call.reuse_steps`` steps after the step that made them, while the site runs the same
         mode (the timestep gate, the SAGE schedule and the guard change modes); a step the site was not called
         in counts for nothing."""
-        ran, state = run.settings[index].tolist(), run.reuse_state[index]
+        planned, sage, age = run.reuse_state[index]
         if run.step_calls[index]:
-            if ran[REUSE] == REUSE_FRESH:
-                state = (0, ran[SAGE])
-            elif ran[REUSE] == REUSE_KEEP:
-                state = (state[0] + 1, state[1])
+            age = 0 if planned == REUSE_FRESH else age + 1 if planned == REUSE_KEEP else None
         run.step_calls[index] = 0
         if row[REUSE] == REUSE_OFF:
-            run.reuse_state[index] = None
             run.drop_tile_maps(index)
-            return REUSE_OFF
-        run.reuse_state[index] = state
-        keep = state is not None and state[1] == row[SAGE] and state[0] < call.reuse_steps
-        return REUSE_KEEP if keep else REUSE_FRESH
+            age = None
+        reuse = (REUSE_OFF if row[REUSE] == REUSE_OFF else
+                 REUSE_KEEP if age is not None and sage == row[SAGE] and age < call.reuse_steps else REUSE_FRESH)
+        run.reuse_state[index] = (reuse, row[SAGE] if reuse == REUSE_FRESH else sage, age)
+        return reuse
 
     @staticmethod
     def guarding(run: Run) -> bool:
@@ -400,8 +397,9 @@ class CallPlanner:
     @staticmethod
     def guard(run: Run, step: int, errors: Mapping[int, tuple[float, float]]) -> None:
         """The guard at the end of probed step ``step`` (``errors``: each probed site's ``(Σ error², Σ exact²)``
-        in it, by site index): a site above its ``accuracy.max_error`` loses SAGE, else skipping, for the rest of
-        the run (its settings change at the next :meth:`plan_step`), with a warning."""
+        in it, by site index): a site above its ``accuracy.max_error`` loses, for the rest of the run, the reuse of
+        tile maps where the step reused them, else SAGE, else skipping (its settings change at the next
+        :meth:`plan_step`), with a warning."""
         for index, (error_sq, exact_sq) in errors.items():
             call, dropped, row = run.calls[index], run.guard_dropped[index], run.settings[index]
             bound = call.accuracy.max_error if call.accuracy is not None else None
@@ -411,7 +409,9 @@ class CallPlanner:
             if error <= bound:
                 continue
             mode = call.mode_of(row)
-            if bool(row[SAGE]) and call.quant is not None:
+            if row[REUSE] == REUSE_KEEP:
+                drop, what = "reuse", "Skip-Softmax reuse"
+            elif bool(row[SAGE]) and call.quant is not None:
                 drop, what = "sage", "SAGE"
             elif bool(row[SKIP]):
                 drop, what = "skip", "Skip-Softmax"

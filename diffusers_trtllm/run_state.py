@@ -67,7 +67,8 @@ class Run:
     site ``[calls, calls whose backend counted tiles]`` since the counters were last kept.
     ``tile_maps``: Skip-Softmax reuse, per ``(site, branch)`` (the site's n-th call in a step is branch n): the
     lengths of the call that made it and its map; ``step_calls``: per site, calls in this step;
-    ``reuse_state``: per site, ``(steps the map was reused since it was made, mode it was made in)`` or None.
+    ``reuse_state``: per site, ``(its [REUSE] this step, the SAGE switch its maps were made with, steps they were
+    reused since; None: no maps)``.
     ``probing``: per site, this step's calls that would skip go to ``calls[i].probe`` and run dense (calibration).
     ``guard_dropped``: per site, what the accuracy guard took away for the rest of the run.
     ``data``: what the run's owner keeps beside (statistics, the step's channel).
@@ -102,7 +103,7 @@ class Run:
             error_sums = torch.zeros(sites, 2, dtype=torch.float64, device=device)
         return cls(key, tuple(calls), settings, tiles, error_sums, counting, [[0, 0] for _ in range(sites)],
                    probing=[False] * sites, guard_dropped=[set() for _ in range(sites)], step_probed=[False] * sites,
-                   step_calls=[0] * sites, reuse_state=[None] * sites)
+                   step_calls=[0] * sites, reuse_state=[(REUSE_OFF, 0.0, None)] * sites)
 
     def count_call(self, site: int, skipped=None, total=None, reused=None) -> None:
         """One call of ``site``; ``skipped`` / ``total`` / ``reused`` (device or host numbers) where its backend
