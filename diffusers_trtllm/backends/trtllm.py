@@ -304,7 +304,8 @@ def device_unavailable_reason(device: torch.device | str) -> str | None:
 def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     """``None`` when TRTLLM_ATTN can run ``plan`` on ``qkv`` on their device, else a sentence saying why not
     (the device first: on a machine without a supported GPU, that is the reason whatever the call)."""
-    reason = device_unavailable_reason(qkv.q.device) or _common_reason(plan, qkv)
+    reason = (device_unavailable_reason(qkv.q.device) or _common_reason(plan, qkv)
+              or tile_map_unavailable_reason(plan))
     if reason is not None:
         return reason
     arch = gpu_arch(qkv.q.device)
@@ -325,6 +326,15 @@ def lse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
             f"FMHAv2 SAGE does (fp8_e4m3, block sizes unset or q {fmha_v2_sage.Q_BLOCK} with k "
             f"{list(FMHA_V2_USER_K_BLOCKS)}, no more queries than keys), as do TRTLLM_ATTN without SAGE and "
             "TORCH_REFERENCE")
+
+
+def tile_map_unavailable_reason(plan: KernelPlan) -> str | None:
+    """Why no TRTLLM_ATTN kernel can reuse ``plan.tile_map``'s skip decisions (issue 47: the FMHAv2 SAGE variant
+    that does is designed, not built), or ``None`` without a map."""
+    if plan.tile_map is None:
+        return None
+    return ("reusing Skip-Softmax decisions across steps (KernelPlan.tile_map) has no TRTLLM_ATTN kernel yet; run "
+            "the step without a tile map (Skip-Softmax tests every tile) or on TORCH_REFERENCE")
 
 
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
@@ -358,7 +368,7 @@ def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     :class:`BackendUnavailableError`, :func:`lse_unavailable_reason`). On Hopper a dense call runs the kernel its
     route names (``plan.backend``, :func:`dense_route`); the cuDNN route's runs FMHAv2 when asked for the log-sum-exp.
     """
-    reason = lse_unavailable_reason(plan, qkv)
+    reason = lse_unavailable_reason(plan, qkv) or tile_map_unavailable_reason(plan)
     if reason is not None:
         raise BackendUnavailableError(reason)
     arch = gpu_arch(qkv.q.device)
