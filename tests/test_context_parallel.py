@@ -147,8 +147,8 @@ def test_ring_attention_on_a_backend_without_the_log_sum_exp_is_refused_naming_o
         "(ulysses_degree) alone"), (name, message)
     name, message = two_rank_results["ring-sdpa"]
     assert name == "BackendUnavailableError" and message == (
-        "TORCH_SDPA does not return the log-sum-exp that ring attention merges partial results by; TORCH_REFERENCE "
-        "does"), (name, message)
+        "TORCH_SDPA does not return the log-sum-exp that ring attention merges partial results by; TORCH_REFERENCE, "
+        "TRTLLM_ATTN does"), (name, message)
 
 
 def test_cross_attention_stays_out_of_ring_attention_on_any_backend(inputs, two_rank_results):

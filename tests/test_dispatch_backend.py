@@ -106,7 +106,7 @@ def test_the_dispatcher_returns_the_log_sum_exp_where_its_backend_gives_it():
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.25).transpose(1, 2))
     set_dispatch_config({"default": {"backend": "TORCH_SDPA"}})
     with pytest.raises(BackendUnavailableError, match=r"TORCH_SDPA does not return the log-sum-exp that ring "
-                                                      r"attention merges partial results by; TORCH_REFERENCE does"):
+                                                      r"attention merges partial results by; TORCH_REFERENCE, TRTLLM_ATTN does"):
         trtllm_attention(q, k, v, return_lse=True)
 
 

@@ -67,7 +67,7 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
     header = sources["sage_kernels.h"]
     for kernel in kernels:
         assert (f"k_block == {kernel.k_block} && kv_step == {kernel.kv_step} && skip == "
-                f"{str(kernel.skip_softmax).lower()}") in header
+                f"{str(kernel.skip_softmax).lower()} && lse == {str(kernel.lse).lower()}") in header
 
 
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
@@ -194,8 +194,9 @@ def test_binding_arguments_match_the_python_call(monkeypatch):
     out = fmha_v2_sage.sage_attention_packed(packed, cu, (100, 200), heads_q, SCALE, 5.0, 256)
     got = ["tensor" if isinstance(a, torch.Tensor) else "int" if isinstance(a, int) else "float" for a in seen]
     assert got == kinds
-    assert seen[10:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
+    assert seen[11:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
     assert seen[9].dtype == torch.int32 and seen[9].shape == (0,)  # no counts asked: the kernel gets none
+    assert seen[10].dtype == torch.float32 and seen[10].shape == (0,)  # no statistics asked: the plain kernel
     # V's per-channel scales go to the kernel's epilogue per query head (GQA: each KV head's repeated)
     v_scale = seen[6]
     assert v_scale.shape == (batch, heads_q, 128) and v_scale.is_contiguous()

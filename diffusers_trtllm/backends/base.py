@@ -121,6 +121,7 @@ class KernelPlan:
     λ_i = skip_factor / kv_len_i; 0 disables skipping. ``tile`` is ``(query rows, key columns)`` per skip decision.
     ``count_skips`` asks the backend to count skipped tiles (when it can). ``return_lse`` asks for each query row's
     log-sum-exp (ring attention merges partial results by it); a backend that cannot give it refuses the plan.
+    ``reuse`` / ``tile_map``: Skip-Softmax decisions reused across steps (:func:`tile_map_for`).
     """
 
     backend: str

@@ -38,6 +38,12 @@ Declared constraints (:func:`unavailable_reason` returns the first that fails, a
   step); a ``per_role`` ``{"cross": {"backend": "TORCH_SDPA"}}`` moves it to cuDNN;
 - FlashInfer >= 0.6.18 with the arguments these calls pass (read from its signatures).
 
+The log-sum-exp (``KernelPlan.return_lse``, ring attention): FMHAv2 (dense, Skip-Softmax, SAGE) from its softmax
+statistics, FlashAttention-4 from its own, trtllm-gen from its base-2 log-sum-exp; SAGE's K smoothing shift
+``scale · q · mean(K)`` is added back. A dense step on the cuDNN route runs FMHAv2 when it must return the
+log-sum-exp (torch SDPA gives none; FMHAv2 is as fast on self-attention). The Triton SAGE kernel gives none: such a
+plan is refused, naming what does (:func:`lse_unavailable_reason`).
+
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
 ``tile=(128, 128)`` predicts them), per 64 × 128 by the FMHAv2 SAGE kernel (both halves of a 256-key step against
 the running max at the step's start) and by the Triton SAGE kernel (:data:`TRITON_SKIP_TILE_SM90`); the SAGE
@@ -72,7 +78,8 @@ from .base import (ROUTE_KERNEL_SEPARATOR, KernelPlan, KernelResult, VarlenQKV, 
                    more_queries_than_keys, register_backend)
 from .sdpa import SDPA_BACKEND
 
-__all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "run", "warmup",
+__all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "lse_unavailable_reason",
+           "run", "warmup",
            "release_workspaces", "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes", "dense_route",
            "dense_kernel_of"]
 
@@ -257,14 +264,12 @@ def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, more_queries_th
             "unset for the fastest")
 
 
-def _reuse_reason(plan: KernelPlan, arch: str) -> str | None:
-    """Why the kernels of ``arch`` cannot reuse Skip-Softmax tile maps for ``plan``, or None."""
-    if not plan.reuse or (arch in FMHA_V2_ARCHS and plan.quant is not None):
+def reuse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+    """Why no TRTLLM_ATTN kernel can reuse Skip-Softmax tile maps for ``plan`` on ``qkv``, or None."""
+    if not plan.reuse:
         return None
-    kernel = f"trtllm-gen on {arch}" if arch in TRTLLM_GEN_ARCHS else "FMHAv2 bf16 (a step without SAGE)"
-    return (f"Skip-Softmax reuse (skip_softmax.reuse_steps) runs on Hopper's SAGE kernels (FMHAv2 SAGE fp8, "
-            f"Triton SAGE) and TORCH_REFERENCE; {kernel} has none: set quant.dtype_qk on Hopper, or "
-            "skip_softmax.reuse_steps 0")
+    return ("Skip-Softmax reuse (skip_softmax.reuse_steps) has no TRTLLM_ATTN kernel yet (it runs on "
+            "TORCH_REFERENCE); set skip_softmax.reuse_steps 0")
 
 
 def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
@@ -307,16 +312,28 @@ def device_unavailable_reason(device: torch.device | str) -> str | None:
 def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     """``None`` when TRTLLM_ATTN can run ``plan`` on ``qkv`` on their device, else a sentence saying why not
     (the device first: on a machine without a supported GPU, that is the reason whatever the call)."""
-    reason = device_unavailable_reason(qkv.q.device) or _common_reason(plan, qkv)
+    reason = (device_unavailable_reason(qkv.q.device) or _common_reason(plan, qkv)
+              or reuse_unavailable_reason(plan, qkv))
     if reason is not None:
         return reason
     arch = gpu_arch(qkv.q.device)
-    reason = _reuse_reason(plan, arch)
-    if reason is not None:
-        return reason
     if arch in FMHA_V2_ARCHS:
-        return _hopper_reason(plan, qkv)
+        return lse_unavailable_reason(plan, qkv) or _hopper_reason(plan, qkv)
     return _blackwell_reason(plan, qkv, arch)
+
+
+def lse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+    """Why the kernel TRTLLM_ATTN runs for ``plan`` on ``qkv`` cannot give the log-sum-exp ``plan.return_lse``
+    asks for, naming what can; ``None`` when it can (or was not asked)."""
+    if not plan.return_lse or plan.quant is None or gpu_arch(qkv.q.device) not in FMHA_V2_ARCHS:
+        return None
+    if _hopper_sage_kernel(plan.quant, qkv.more_queries_than_keys) == "fmha_v2":
+        return None
+    return (f"TRTLLM_ATTN's Hopper SAGE {plan.quant.dtype_qk} with these block sizes (or more queries than keys) "
+            "runs the Triton SAGE kernel, which does not return the log-sum-exp that ring attention merges by; "
+            f"FMHAv2 SAGE does (fp8_e4m3, block sizes unset or q {fmha_v2_sage.Q_BLOCK} with k "
+            f"{list(FMHA_V2_USER_K_BLOCKS)}, no more queries than keys), as do TRTLLM_ATTN without SAGE and "
+            "TORCH_REFERENCE")
 
 
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
@@ -324,14 +341,14 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
         counting = plan.count_skips and plan.skips
         skipped = torch.zeros(1, dtype=torch.int32, device=qkv.q.device) if counting else None
-        out = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), tuple(qkv.seqlens_kv),
-                                                  plan.scale, cu_seqlens_q=qkv.cu_seqlens("q"),
-                                                  seqlens_q=tuple(qkv.seqlens_q), k_block=semantics.k_block,
-                                                  kv_step=semantics.kv_step, skip_factor=plan.skip_factor,
-                                                  skip_counts=skipped)
+        result = fmha_v2_sage.fmha_v2_sage_attention(
+            qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), tuple(qkv.seqlens_kv), plan.scale,
+            cu_seqlens_q=qkv.cu_seqlens("q"), seqlens_q=tuple(qkv.seqlens_q), k_block=semantics.k_block,
+            kv_step=semantics.kv_step, skip_factor=plan.skip_factor, skip_counts=skipped, return_lse=plan.return_lse)
+        out, lse = result if plan.return_lse else (result, None)
         if not counting:
-            return KernelResult(out)
-        return KernelResult(out, skipped[0], fmha_v2_sage.skip_tiles(tuple(qkv.seqlens_kv), qkv.q.shape[1]))
+            return KernelResult(out, lse=lse)
+        return KernelResult(out, skipped[0], fmha_v2_sage.skip_tiles(tuple(qkv.seqlens_kv), qkv.q.shape[1]), lse)
     out, skipped, total = triton_sage.triton_sage_attention(
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),
         tuple(qkv.seqlens_kv), plan.scale, dtype_qk=semantics.dtype_qk, q_block=semantics.q_block,
@@ -345,9 +362,14 @@ def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
 
     ``qkv``: :class:`~.base.VarlenQKV` with q ``[total_q, Hq, 128]``, k/v ``[total_kv, Hkv, 128]`` bf16 on a
     CUDA device that :func:`unavailable_reason` accepted. Returns ``out [total_q, Hq, 128]`` bf16; skip counts
-    when ``plan.count_skips`` from the SAGE kernels (Triton, FMHAv2), not from the bf16 ones. On Hopper
-    a dense call runs the kernel its route names (``plan.backend``, :func:`dense_route`).
+    when ``plan.count_skips`` from the SAGE kernels (Triton, FMHAv2), not from the bf16 ones; with
+    ``plan.return_lse`` the log-sum-exp ``[total_q, Hq]`` float32 (a plan whose kernel gives none raises
+    :class:`BackendUnavailableError`, :func:`lse_unavailable_reason`). On Hopper a dense call runs the kernel its
+    route names (``plan.backend``, :func:`dense_route`); the cuDNN route's runs FMHAv2 when asked for the log-sum-exp.
     """
+    reason = lse_unavailable_reason(plan, qkv) or reuse_unavailable_reason(plan, qkv)
+    if reason is not None:
+        raise BackendUnavailableError(reason)
     arch = gpu_arch(qkv.q.device)
     lengths = (tuple(qkv.seqlens_q), tuple(qkv.seqlens_kv))
     if arch in FMHA_V2_ARCHS:
@@ -355,21 +377,27 @@ def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
             return _run_hopper_sage(qkv, plan)
         dense = "" if plan.skips else dense_kernel_of(plan.backend)
         if dense == FLASH_ATTN4:
-            return KernelResult(flash_attn4.flash_attn4_attention(
+            return _with_lse(plan, flash_attn4.flash_attn4_attention(
                 qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), qkv.max_seqlen_q,
-                qkv.max_seqlen_kv, plan.scale))
-        if dense == CUDNN:
+                qkv.max_seqlen_kv, plan.scale, return_lse=plan.return_lse))
+        if dense == CUDNN and not plan.return_lse:
             with sdpa_kernel(CUDNN_FIRST, set_priority=True):
                 return SDPA_BACKEND.run(qkv, plan)
-        return KernelResult(fmha_v2_attention(qkv.q, qkv.k, qkv.v, *lengths, plan.scale, plan.skip_factor))
+        return _with_lse(plan, fmha_v2_attention(qkv.q, qkv.k, qkv.v, *lengths, plan.scale, plan.skip_factor,
+                                                 return_lse=plan.return_lse))
     if arch in TRTLLM_GEN_ARCHS:
         sage = None
         if plan.quant is not None:
             semantics = sage_semantics(plan.quant, qkv.q.device, *lengths)
             sage = (semantics.dtype_qk, semantics.q_block, semantics.k_block)
-        return KernelResult(trtllm_gen_attention(qkv.q, qkv.k, qkv.v, *lengths, plan.scale, plan.skip_factor,
-                                                 sage=sage))
+        return _with_lse(plan, trtllm_gen_attention(qkv.q, qkv.k, qkv.v, *lengths, plan.scale, plan.skip_factor,
+                                                    sage=sage, return_lse=plan.return_lse))
     raise BackendUnavailableError(f"TRTLLM_ATTN has no kernel for {arch or qkv.q.device}")
+
+
+def _with_lse(plan: KernelPlan, result) -> KernelResult:
+    """A kernel function's result (``out``, or ``(out, lse)`` where ``plan.return_lse``) as a KernelResult."""
+    return KernelResult(result[0], lse=result[1]) if plan.return_lse else KernelResult(result)
 
 
 def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), sage: bool = True,
@@ -484,4 +512,5 @@ def _log_dense_choice(arch: str, kernel: str, passed_over: tuple[tuple[str, str]
                    why, list(DENSE_KERNEL_TITLES))
 
 
-TRTLLM_BACKEND = register_backend(TRTLLM_ATTN, run, unavailable_reason, priority=10)
+# Every route gives the log-sum-exp or refuses the plan naming what does (lse_unavailable_reason).
+TRTLLM_BACKEND = register_backend(TRTLLM_ATTN, run, unavailable_reason, priority=10, returns_lse=True)

@@ -76,18 +76,21 @@ def unavailable_reason() -> str | None:
 
 
 def varlen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float) -> KernelCall:
+                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                return_lse: bool = False) -> KernelCall:
     """Dense non-causal attention over a packed batch (layout in the module docstring); ``max_seqlen_*`` are host
-    ints. FlashAttention-4 returns ``(out, lse)``, ``lse`` None without ``return_lse``."""
+    ints. FlashAttention-4 returns ``(out, lse)``, ``lse`` None without ``return_lse``, else ``[Hq, total_q]``
+    float32, natural log (its varlen layout)."""
     return KernelCall(VARLEN, dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                    max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
-                                   softmax_scale=float(scale), causal=False, return_lse=False))
+                                   softmax_scale=float(scale), causal=False, return_lse=bool(return_lse)))
 
 
 def flash_attn4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                          scale: float) -> torch.Tensor:
-    """Run :func:`varlen_call`; returns ``out [total_q, Hq, D]`` in q's dtype."""
-    out, _lse = varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            scale)(flash_attn4_module())
-    return out
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                          return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run :func:`varlen_call`; returns ``out [total_q, Hq, D]`` in q's dtype, with ``return_lse`` also the
+    log-sum-exp ``[total_q, Hq]`` float32 (transposed from FlashAttention-4's layout)."""
+    out, lse = varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                           return_lse)(flash_attn4_module())
+    return (out, lse.t().contiguous()) if return_lse else out

@@ -32,6 +32,7 @@ SAGE_QUANTIZE = "trtllm_sage_attention_quantize"
 
 SAGE_V_BLOCK = 1  # V scales are per channel: one scale per (head, channel), i.e. blocks of one element
 SAGE_P_BLOCK = 0  # no P scale tensor: the kernel quantizes P itself
+LN2 = math.log(2.0)  # trtllm-gen's log-sum-exp is in base 2
 
 
 @dataclass(frozen=True)
@@ -84,19 +85,32 @@ class KernelCall:
 
 
 def fmha_v2_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, workspace: torch.Tensor, index: RaggedIndex,
-                 scale: float, skip_factor: float) -> KernelCall:
+                 scale: float, skip_factor: float, return_lse: bool = False) -> KernelCall:
     """FMHAv2 (Hopper) dense or Skip-Softmax attention, non-causal.
 
     q ``[total_q, Hq, D]``, k/v ``[total_kv, Hkv, D]``, contiguous (the kernel derives strides from shapes), bf16.
     ``scale`` multiplies Q·Kᵀ (bmm1); the output needs no rescale (bmm2 = 1). ``skip_factor`` 0 runs dense; else
     a KV tile is skipped when ``exp(tile_max - running_max) < skip_factor / kv_len`` for every row of its
-    128-row query tile.
+    128-row query tile. ``return_lse``: the call returns ``(out, stats)`` with FMHAv2's softmax statistics
+    (:func:`fmha_v2_stats_lse` turns them into the log-sum-exp).
     """
     return KernelCall(FMHA_V2, dict(
         qkv=(q, k, v), input_layout="SEPARATE_Q_K_V", workspace_buffer=workspace, seq_lens=index.seq_lens_kv,
         max_q_len=index.max_q_len, max_kv_len=index.max_kv_len, bmm1_scale=float(scale), bmm2_scale=1.0,
         batch_size=index.batch_size, cum_seq_lens_q=index.cum_seq_lens_q, cum_seq_lens_kv=index.cum_seq_lens_kv,
-        mask_mode="padding", skip_softmax_threshold_scale_factor=float(skip_factor)))
+        mask_mode="padding", save_softmax_stats=bool(return_lse),
+        skip_softmax_threshold_scale_factor=float(skip_factor)))
+
+
+def fmha_v2_stats_lse(stats: torch.Tensor, scale: float, head_dim: int) -> torch.Tensor:
+    """Natural log-sum-exp ``[rows, H]`` float32 from FMHAv2's softmax statistics ``[rows, H, 2]`` float32.
+
+    The warp-specialized kernels (``fmha/hopper/fragment.h``'s ``Softmax_saver_tma``, FlashInfer 0.7.2 and 0.7.4)
+    store per row ``(max / sqrt(head_dim), sum)``: ``max`` the row's largest unscaled score Q·Kᵀ over the keys it
+    kept (SAGE: dequantized, of smoothed K), ``sum`` = Σ exp(scale · (score - max)) over them (e4m3: P's fp8 scale
+    divided out). Hence LSE = scale · max + ln(sum), whatever ``scale`` is (the stored max assumes 1 / sqrt(d)).
+    """
+    return stats[..., 0] * (scale * head_dim ** 0.5) + stats[..., 1].log()
 
 
 @dataclass(frozen=True)
@@ -136,20 +150,23 @@ def sage_quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index:
 
 
 def trtllm_gen_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, workspace: torch.Tensor, index: RaggedIndex,
-                    scale: float, skip_factor: float, sage: SageScales | None = None) -> KernelCall:
+                    scale: float, skip_factor: float, sage: SageScales | None = None,
+                    return_lse: bool = False) -> KernelCall:
     """trtllm-gen (Blackwell) ragged attention, non-causal: dense, Skip-Softmax, and/or SAGE.
 
     Dense: q/k/v bf16 ``[tokens, heads, 128]``. SAGE: q/k int8 or fp8 e4m3 and v fp8 e4m3 from the quantizer,
     with ``sage`` holding their scales; the kernel dequantizes per block, so bmm1 carries only the softmax scale
     and bmm2 is 1. The output is bf16 either way. ``skip_factor`` 0 selects the kernels without skipping (the
     argument is then ``None``, not 0). Every sequence must be non-empty (``skip_all_rows_active_check``: no
-    device-to-host read to look for empty rows).
+    device-to-host read to look for empty rows). ``return_lse``: the call returns ``(out, lse)``, ``lse``
+    ``[total_q, Hq]`` float32 in base 2 (FlashInfer's launcher sets ``lseScale`` 1, "keeps base 2", 0.7.2 and
+    0.7.4): times :data:`LN2` for the natural log; with SAGE, of the smoothed K.
     """
     kwargs = dict(
         query=q, key=k, value=v, workspace_buffer=workspace, seq_lens=index.seq_lens_kv, max_q_len=index.max_q_len,
         max_kv_len=index.max_kv_len, bmm1_scale=float(scale), bmm2_scale=1.0, o_sf_scale=-1.0,
         batch_size=index.batch_size, window_left=-1, cum_seq_lens_q=index.cum_seq_lens_q,
-        cum_seq_lens_kv=index.cum_seq_lens_kv, enable_pdl=True, is_causal=False, return_lse=False,
+        cum_seq_lens_kv=index.cum_seq_lens_kv, enable_pdl=True, is_causal=False, return_lse=bool(return_lse),
         skip_softmax_threshold_scale_factor=float(skip_factor) if skip_factor > 0.0 else None,
         skip_all_rows_active_check=True)
     if sage is not None:

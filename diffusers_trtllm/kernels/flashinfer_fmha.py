@@ -25,8 +25,9 @@ from collections import OrderedDict
 
 import torch
 
-from .flashinfer_calls import (RaggedIndex, SageScales, build_ragged_index, fmha_v2_call, sage_quantize_call,
-                               trtllm_gen_call)
+from .flashinfer_calls import (LN2, RaggedIndex, SageScales, build_ragged_index, fmha_v2_call, fmha_v2_stats_lse,
+                               sage_quantize_call, trtllm_gen_call)
+from .numerics import smoothing_lse_shift
 
 logger = logging.getLogger("diffusers_trtllm")
 
@@ -125,7 +126,8 @@ def _canonical(device: torch.device | str) -> torch.device:
 
 
 def fmha_v2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_q: tuple[int, ...],
-                      seqlens_kv: tuple[int, ...], scale: float, skip_factor: float = 0.0) -> torch.Tensor:
+                      seqlens_kv: tuple[int, ...], scale: float, skip_factor: float = 0.0,
+                      return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense or Skip-Softmax attention on Hopper (sm_90) through FMHAv2, the whole batch in one call.
 
     ``q`` ``[total_q, Hq, 128]``, ``k``/``v`` ``[total_kv, Hkv, 128]`` bf16, ragged (sequence ``i`` owns
@@ -135,6 +137,8 @@ def fmha_v2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens
     text + generation keys) is given zero queries up to its key length, because FMHAv2 0.7.2 computes wrong
     results for such sequences and right ones for equal lengths; the padded rows' outputs are dropped. They cost
     ``(kv_len - q_len) / q_len`` more work, and can keep the sequence's last query tile from skipping.
+    ``return_lse``: returns ``(out, lse)``, ``lse`` ``[total_q, Hq]`` float32, each row's natural log-sum-exp of
+    its scaled scores over the keys it kept (:func:`~.flashinfer_calls.fmha_v2_stats_lse`).
     """
     device = _canonical(q.device)
     if (device, q.dtype) not in _ready_fmha_v2:
@@ -142,9 +146,12 @@ def fmha_v2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens
     padded = any(nq < nkv for nq, nkv in zip(seqlens_q, seqlens_kv))
     run_q, run_lens = pad_queries_to_keys(q, seqlens_q, seqlens_kv) if padded else (q, tuple(seqlens_q))
     index = ragged_index(run_lens, tuple(seqlens_kv), device)
-    out = fmha_v2_call(run_q.contiguous(), k.contiguous(), v.contiguous(), workspace(device), index, scale,
-                       skip_factor)(flashinfer_prefill())
-    return drop_padded_queries(out, seqlens_q, run_lens) if padded else out
+    result = fmha_v2_call(run_q.contiguous(), k.contiguous(), v.contiguous(), workspace(device), index, scale,
+                          skip_factor, return_lse)(flashinfer_prefill())
+    outputs = (result[0], fmha_v2_stats_lse(result[1], scale, q.shape[-1])) if return_lse else (result,)
+    if padded:  # the zero queries' rows (of the output and of the statistics) are dropped alike
+        outputs = tuple(drop_padded_queries(x, seqlens_q, run_lens) for x in outputs)
+    return outputs if return_lse else outputs[0]
 
 
 def pad_queries_to_keys(q: torch.Tensor, seqlens_q: tuple[int, ...],
@@ -213,26 +220,36 @@ def _fmha_v2_build_state(dtype: torch.dtype) -> tuple[str | None, bool]:
 
 def trtllm_gen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_q: tuple[int, ...],
                          seqlens_kv: tuple[int, ...], scale: float, skip_factor: float = 0.0, *,
-                         sage: tuple[str, int, int] | None = None) -> torch.Tensor:
+                         sage: tuple[str, int, int] | None = None,
+                         return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense, Skip-Softmax or SAGE attention on datacenter Blackwell (sm_100, sm_103) through trtllm-gen, one
     call per batch.
 
     ``q`` ``[total_q, Hq, 128]``, ``k``/``v`` ``[total_kv, Hkv, 128]`` bf16, ragged as :func:`fmha_v2_attention`.
     ``sage``: ``(dtype_qk, q_block, k_block)`` runs FlashInfer's SAGE quantizer first (K's mean and V's scales over
-    the whole packed batch), then attention on the quantized tensors. Returns ``[total_q, Hq, 128]`` bf16.
+    the whole packed batch), then attention on the quantized tensors. Returns ``[total_q, Hq, 128]`` bf16; with
+    ``return_lse`` ``(out, lse)``, ``lse`` ``[total_q, Hq]`` float32, natural log, with SAGE the smoothing's shift
+    ``scale · q · mean(K)`` (the quantizer's batch-wide mean) added back. Not run on a GPU yet (no sm_100 here).
     """
     prefill = flashinfer_prefill()
     device = _canonical(q.device)
     index = ragged_index(tuple(seqlens_q), tuple(seqlens_kv), device)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    scales = None
+    scales = k_mean = None
     with _explain_missing_cubins():
         if sage is not None:
             dtype_qk, q_block, k_block = sage
-            q, k, v, q_scale, k_scale, v_scale, _k_mean = sage_quantize_call(
+            q_in = q
+            q, k, v, q_scale, k_scale, v_scale, k_mean = sage_quantize_call(
                 q, k, v, index, dtype_qk, q_block, k_block)(prefill)
             scales = SageScales(q_scale, k_scale, v_scale, q_block, k_block)
-        return trtllm_gen_call(q, k, v, workspace(device), index, scale, skip_factor, scales)(prefill)
+        result = trtllm_gen_call(q, k, v, workspace(device), index, scale, skip_factor, scales,
+                                 return_lse)(prefill)
+    if not return_lse:
+        return result
+    out, lse = result
+    lse = lse * LN2
+    return out, lse if k_mean is None else lse + smoothing_lse_shift(q_in, k_mean, scale)
 
 
 # FlashInfer's own wording when a cubin or its checksum list cannot be had (jit/cubin_loader.py, jit/attention/

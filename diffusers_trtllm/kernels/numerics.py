@@ -27,3 +27,18 @@ def head_dim_mismatch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str 
     if q.shape[-1] == k.shape[-1] == v.shape[-1] == HEAD_DIM:
         return None
     return f"head_dim is {q.shape[-1]} (k {k.shape[-1]}, v {v.shape[-1]})"
+
+
+def smoothing_lse_shift(q: torch.Tensor, k_mean: torch.Tensor, scale: float, rows_per_chunk: int = 8192) -> torch.Tensor:
+    """What K smoothing takes off each query row's log-sum-exp: ``scale · q · mean(K)``, to be added back.
+
+    ``q`` ``[n, Hq, D]`` (any float dtype), ``k_mean`` ``[Hkv, D]`` float32 (``Hq % Hkv == 0``; query head ``h``
+    reads key head ``h // (Hq / Hkv)``). Returns ``[n, Hq]`` float32, summed in float32 a chunk of rows at a time
+    (no float copy of the whole of ``q``)."""
+    heads_q, heads_kv = q.shape[1], k_mean.shape[0]
+    mean = k_mean.float().repeat_interleave(heads_q // heads_kv, dim=0)[:, :, None]  # [Hq, D, 1]
+    shift = torch.empty(q.shape[0], heads_q, dtype=torch.float32, device=q.device)
+    for start in range(0, q.shape[0], rows_per_chunk):
+        rows = q[start:start + rows_per_chunk].float().transpose(0, 1)  # [Hq, rows, D]
+        shift[start:start + rows_per_chunk] = torch.bmm(rows, mean)[..., 0].T * scale
+    return shift

@@ -3,7 +3,8 @@
 // FlashInfer ships the kernels' sources and generator but its fmha_v2_run never fills `params.sage`; this file
 // does, for the kernels that diffusers_trtllm/kernels/fmha_v2_sage.py generates (padding mask, PACKED_QKV layout for
 // Q and K, V read transposed by its patched DMA code). The generated header "sage_kernels.h" declares those
-// kernels' launchers and `launch_sage_kernel`, which picks one by (q block, k block, KV step, skip-softmax).
+// kernels' launchers and `launch_sage_kernel`, which picks one by (q block, k block, KV step, skip-softmax, softmax
+// statistics).
 
 #include <fused_multihead_attention.h>
 
@@ -38,10 +39,13 @@ uint32_t float_bits(float value) {
 // tile_counter: [1] int32 scratch for the persistent scheduler, owned by the caller's stream
 // skip_counts:  [1] int32 to which the skipping kernels add their skipped tiles of 64 query rows x 128 keys
 //               (skip_counts.patch), or empty: no count
+// softmax_stats: [total_tokens, heads_q, 2] float32, each row's (max / sqrt(head_dim), sum) (FMHAv2's
+//               Softmax_saver_tma), written by the kernels built with softmax statistics; empty: the kernels
+//               without them run
 void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_starts, ffi::TensorView out,
                     ffi::TensorView q_scale, ffi::TensorView k_scale, ffi::TensorView v_scale,
                     ffi::TensorView cu_seqlens, ffi::TensorView tile_counter, ffi::TensorView skip_counts,
-                    int64_t heads_q, int64_t heads_kv, int64_t max_seqlen,
+                    ffi::TensorView softmax_stats, int64_t heads_q, int64_t heads_kv, int64_t max_seqlen,
                     int64_t q_block, int64_t k_block, int64_t kv_step, double softmax_scale,
                     double skip_softmax_threshold_scale_factor) {
   TVM_FFI_ICHECK_EQ(qk.dtype(), dl_float8_e4m3fn) << "qk must be float8_e4m3fn";
@@ -54,6 +58,11 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   TVM_FFI_ICHECK(skip_counts.dtype() == dl_int32 && skip_counts.ndim() == 1 && skip_counts.shape()[0] <= 1)
       << "skip_counts must be int32 [1] (skipped tiles) or empty";
   TVM_FFI_ICHECK_EQ(qk.ndim(), 3) << "qk must be [tokens, heads_q + heads_kv, head_dim]";
+  const bool save_stats = softmax_stats.numel() > 0;
+  TVM_FFI_ICHECK(!save_stats || (softmax_stats.dtype() == dl_float32 && softmax_stats.ndim() == 3 &&
+                                 softmax_stats.shape()[0] == qk.shape()[0] && softmax_stats.shape()[1] == heads_q &&
+                                 softmax_stats.shape()[2] == 2 && softmax_stats.IsContiguous()))
+      << "softmax_stats must be a contiguous float32 [tokens, heads_q, 2] tensor or empty";
   TVM_FFI_ICHECK_EQ(qk.shape()[1], heads_q + heads_kv) << "qk's head count is not heads_q + heads_kv";
   TVM_FFI_ICHECK_EQ(heads_q % heads_kv, 0) << "heads_q must be a multiple of heads_kv";
   const int64_t head_dim = qk.shape()[2];
@@ -94,6 +103,10 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   if (skip_counts.shape()[0] == 1) {  // else a null pointer (memset above): the kernel counts nothing
     params.skip_softmax_skipped_blocks = static_cast<uint32_t*>(skip_counts.data_ptr());
   }
+  if (save_stats) {
+    params.softmax_stats_ptr = softmax_stats.data_ptr();
+    params.softmax_stats_stride_in_bytes = heads_q * 2 * sizeof(float);
+  }
   params.sage.q.block_size = static_cast<int>(q_block);
   params.sage.q.max_nblock = static_cast<int>((max_seqlen + q_block - 1) / q_block);
   params.sage.q.scales = static_cast<float*>(q_scale.data_ptr());
@@ -123,9 +136,10 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
 
   cudaStream_t stream = get_stream(qk.device());
   TVM_FFI_ICHECK(launch_sage_kernel(static_cast<int>(q_block), static_cast<int>(k_block),
-                                    static_cast<int>(kv_step), launch.enable_skip_softmax, params, launch, stream))
+                                    static_cast<int>(kv_step), launch.enable_skip_softmax, save_stats, params,
+                                    launch, stream))
       << "no SAGE kernel was built for q_block " << q_block << ", k_block " << k_block << ", kv_step " << kv_step
-      << ", skip-softmax " << launch.enable_skip_softmax;
+      << ", skip-softmax " << launch.enable_skip_softmax << ", softmax statistics " << save_stats;
 }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sage_attention, sage_attention);
