@@ -1,29 +1,338 @@
-"""Skip decisions reused across steps (issue 47): the plumbing that exists so far, on the CPU.
+"""Skip-Softmax reuse (``skip_softmax.reuse_steps``): the tiles a step skipped are skipped untested at the next ones.
 
-The FMHAv2 SAGE kernel variant that reads and updates ``KernelPlan.tile_map`` is not built yet: TRTLLM_ATTN refuses a
-plan with a map, naming what runs instead, and the benchmark's arguments are checked without a GPU.
+- The semantics on ``TORCH_REFERENCE``: a zeroed map changes nothing and ends holding exactly the tiles the test
+  skipped (checked against the one-pass gaps of ``calibration.counting``, an independent computation); a tile in
+  the map is attended as if its keys were absent (float64, against dense masked attention), so its keys are never
+  read; a reuse step adds what its own test skips. At the edges: grouped-query heads, fewer and more queries than
+  keys, partial tiles, more KV tiles than one 32-bit word (bit 31), query chunks and KV steps of several tiles,
+  ragged batches.
+- The run plumbing through the public API on the tiny Wan 2.2 pipeline (classifier-free guidance: two passes per
+  step): which steps reuse, each pass its own map, maps freed when the call ends, requests in threads each their
+  own, a mode change testing every tile again, the guard dropping reuse first, the refusal where no kernel
+  reuses, and the config's validation.
 """
 
+import copy
+import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
-from diffusers_trtllm.backends import trtllm
-from diffusers_trtllm.backends.base import KernelPlan, KernelResult, VarlenQKV
-from diffusers_trtllm.errors import BackendUnavailableError
-from helpers import load_script
+from diffusers_trtllm import AttentionConfig, enable_trtllm_attention
+from diffusers_trtllm.backends import base, select_backend, trtllm
+from diffusers_trtllm.backends.base import (KernelPlan, KernelResult, VarlenQKV, pack_tile_map, tile_map_for,
+                                            tile_map_shape, unpack_tile_map)
+from diffusers_trtllm.backends.reference import reference_attention, tiles_in_map
+from diffusers_trtllm.calibration.counting import skip_gaps
+from diffusers_trtllm.dispatch import set_dispatch_config
+from diffusers_trtllm.errors import AttentionConfigError, BackendUnavailableError
+from diffusers_trtllm.run_state import REUSE, REUSE_FRESH, REUSE_KEEP, REUSE_OFF, SKIP
+from diffusers_trtllm.tiny_pipelines import tiny_wan22_pipeline
+
+from helpers import load_script, run_together
+
+# (queries, keys, query heads, key heads, tile, kv_step, query chunk): self-attention with partial tiles; Wan's
+# cross-attention shape (fewer queries than keys, 2 words of KV tiles: bit 31 used); GQA with a KV step of two
+# tiles and query chunks smaller than the sequence; more queries than keys
+SHAPES = {
+    "self-partial": (150, 150, 2, 2, (16, 32), None, 2048),
+    "cross-two-words": (70, 1100, 2, 2, (16, 32), None, 2048),
+    "gqa-step-chunk": (96, 520, 4, 2, (16, 32), 64, 32),
+    "more-queries": (260, 96, 2, 1, (32, 32), None, 64),
+}
 
 
-def test_a_plan_with_a_tile_map_is_refused_until_a_kernel_reuses_it(monkeypatch):
+def local_problem(sq, skv, hq, hkv, d=32, seed=0, dtype=torch.float32):
+    """Attention with locality: a band of strong keys per query region, so a λ skips a fair share of tiles."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sq, hq, d, generator=g, dtype=dtype)
+    k = torch.randn(skv, hkv, d, generator=g, dtype=dtype)
+    v = torch.randn(skv, hkv, d, generator=g, dtype=dtype)
+    k[: max(1, skv // 5)] *= 4.0
+    return q, k, v
+
+
+def fresh_map(sq, skv, hq, tile):
+    return torch.zeros(tile_map_shape((sq,), (skv,), hq, tile)[1:], dtype=torch.int32)
+
+
+def kv_tiles(skv, tile):
+    return -(-skv // tile[1])
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_a_zeroed_map_changes_nothing_and_ends_holding_the_tiles_the_test_skipped(shape):
+    sq, skv, hq, hkv, tile, kv_step, chunk = shape
+    q, k, v = local_problem(sq, skv, hq, hkv)
+    lam, scale = 0.05, q.shape[-1] ** -0.5
+    out, skipped, total = reference_attention(q, k, v, scale, skip_lambda=lam, tile=tile, kv_step=kv_step,
+                                              query_chunk=chunk)
+    tile_map = fresh_map(sq, skv, hq, tile)
+    out_m, skipped_m, total_m = reference_attention(q, k, v, scale, skip_lambda=lam, tile=tile, kv_step=kv_step,
+                                                    query_chunk=chunk, tile_map=tile_map)
+    assert torch.equal(out_m, out) and int(skipped_m) == int(skipped) and total_m == total
+    assert 0 < int(skipped) < total
+    # tile by tile: under the dense running max a tile is skipped iff its worst row's gap < log λ (exact, λ <= 1)
+    gaps = skip_gaps(q, k, scale, tile=tile, kv_step=kv_step)
+    assert torch.equal(unpack_tile_map(tile_map, kv_tiles(skv, tile)), gaps < math.log(lam))
+
+
+def masked_attention(q, k, v, scale, skipped, tile):
+    """float64 attention where query tile i ignores the keys of the KV tiles ``skipped[h, i]`` marks."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    hidden = skipped.repeat_interleave(tile[0], dim=1)[:, : q.shape[0]].repeat_interleave(tile[1], dim=2)
+    scores = scores.masked_fill(hidden[..., : k.shape[0]], -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_tiles_in_the_map_are_attended_as_if_their_keys_were_absent(shape):
+    """λ = 0 (the test skips nothing): only the map skips. Each query tile's output is exact attention over the
+    keys its map keeps, to float64 rounding; the map comes back unchanged and no tile counts as test-skipped."""
+    sq, skv, hq, hkv, tile, kv_step, chunk = shape
+    q, k, v = local_problem(sq, skv, hq, hkv, seed=1, dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    skipped = torch.rand(hq, -(-sq // tile[0]), kv_tiles(skv, tile), generator=g) < 0.5
+    skipped[..., 0] = False  # every query keeps a key
+    tile_map = pack_tile_map(skipped, tile_map_shape((sq,), (skv,), hq, tile)[-1])
+    entering = tile_map.clone()
+    out, test_skipped, _ = reference_attention(q, k, v, q.shape[-1] ** -0.5, tile=tile, kv_step=kv_step,
+                                               query_chunk=chunk, tile_map=tile_map)
+    expected = masked_attention(q, k, v, q.shape[-1] ** -0.5, skipped, tile)
+    assert (out - expected).abs().max() < 1e-12
+    assert torch.equal(tile_map, entering) and int(test_skipped) == 0
+    assert int(tiles_in_map(tile_map).sum()) == int(skipped.sum())
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_a_reuse_step_reads_no_key_of_its_map_and_adds_what_its_test_skips(shape):
+    sq, skv, hq, hkv, tile, kv_step, chunk = shape
+    q, k, v = local_problem(sq, skv, hq, hkv, seed=3)
+    lam, scale = 0.2, q.shape[-1] ** -0.5
+    first = fresh_map(sq, skv, hq, tile)
+    reference_attention(q, k, v, scale, skip_lambda=lam, tile=tile, kv_step=kv_step, query_chunk=chunk,
+                        tile_map=first)
+    # the next step's inputs drift a little; the map carries the first step's decisions
+    q2, k2 = q + 0.3 * torch.randn_like(q), k + 0.3 * torch.randn_like(k)
+    reuse = first.clone()
+    out, test_skipped, _ = reference_attention(q2, k2, v, scale, skip_lambda=lam, tile=tile, kv_step=kv_step,
+                                               query_chunk=chunk, tile_map=reuse)
+    entering, leaving = (unpack_tile_map(m, kv_tiles(skv, tile)) for m in (first, reuse))
+    assert bool((leaving | ~entering).all())  # nothing the map held is tested again
+    assert int((leaving & ~entering).sum()) == int(test_skipped)
+    # a query tile reads no key or value of the tiles its map holds: poisoned there, its rows are the same
+    group, poisoned_somewhere = hq // hkv, False
+    for i in range(entering.shape[1]):
+        unread = entering[:, i].view(hkv, group, -1).all(dim=1)  # [Hkv, KV tiles] every query head of a group
+        if not unread.any():
+            continue
+        poisoned_somewhere = True
+        k_bad, v_bad = k2.clone(), v.clone()
+        for h, j in unread.nonzero().tolist():
+            k_bad[j * tile[1]:(j + 1) * tile[1], h] = 1e4
+            v_bad[j * tile[1]:(j + 1) * tile[1], h] = 1e6
+        poisoned, *_ = reference_attention(q2, k_bad, v_bad, scale, skip_lambda=lam, tile=tile, kv_step=kv_step,
+                                           query_chunk=chunk, tile_map=first.clone())
+        rows = slice(i * tile[0], (i + 1) * tile[0])
+        assert torch.equal(poisoned[rows], out[rows]), i
+    assert poisoned_somewhere
+
+
+def test_map_words_round_trip_every_bit_including_the_sign_bit():
+    bits = torch.rand(3, 5, 70, generator=torch.Generator().manual_seed(0)) < 0.5
+    bits[..., 31] = True
+    words = pack_tile_map(bits, 3)
+    assert words.dtype == torch.int32 and bool((words[..., 0] < 0).all())
+    assert torch.equal(unpack_tile_map(words, 70), bits)
+
+
+def test_the_backend_keeps_one_map_per_batch_with_each_sequences_own_tiles():
+    """A ragged batch: the map is shaped by the longest sequence, each sequence's bits stay within its own tiles,
+    a map of another geometry is replaced by a zeroed one, and the reused count is the entering map's."""
+    lengths_q, lengths_kv, heads, tile = (40, 130), (300, 90), 2, (16, 32)
+    parts = [local_problem(nq, nkv, heads, heads, seed=i) for i, (nq, nkv) in enumerate(zip(lengths_q, lengths_kv))]
+    qkv = VarlenQKV(*(torch.cat([p[i] for p in parts]) for i in range(3)), lengths_q, lengths_kv)
+    plan = KernelPlan("TORCH_REFERENCE", 32 ** -0.5, skip_factor=0.05 * 300, tile=tile, count_skips=True,
+                      reuse=True, tile_map=torch.zeros(1, 1, 1, 1, dtype=torch.int32))
+    first = base.get_backend("TORCH_REFERENCE").run(qkv, plan)
+    assert tuple(first.tile_map.shape) == (2, heads, 9, 1) and int(first.reused_tiles) == 0
+    per_sequence = unpack_tile_map(first.tile_map, 10)
+    assert not per_sequence[1, :, :, 3:].any() and not per_sequence[0, :, 3:].any()  # past each one's tiles
+    assert int(first.skipped_tiles) == int(per_sequence.sum()) > 0
+    again = base.get_backend("TORCH_REFERENCE").run(qkv, KernelPlan(**{**plan.__dict__, "tile_map": first.tile_map}))
+    assert again.tile_map is first.tile_map and int(again.reused_tiles) == int(per_sequence.sum())
+    assert tile_map_for(KernelPlan("TORCH_REFERENCE", 1.0), qkv, tile) is None  # no reuse: no map at all
+
+
+# --- through the pipeline ------------------------------------------------------------------------------------------
+
+STEPS = 6
+
+
+def reuse_config(reuse_steps=2, **skip):
+    return {"default": {"backend": "TORCH_REFERENCE",
+                        "skip_softmax": {"threshold": 0.3, "reuse_steps": reuse_steps, **skip}}}
+
+
+def generate(pipe, steps=STEPS, prompt="a fox in snow"):
+    # 3 × 8 × 16 video tokens: three 128-key tiles, so the kept maps have tiles to hold
+    return pipe(prompt, negative_prompt="blur", height=128, width=256, num_frames=9, num_inference_steps=steps,
+                generator=torch.Generator().manual_seed(steps), output_type="latent").frames
+
+
+@pytest.fixture
+def pipe():
+    pipe = tiny_wan22_pipeline(two_experts=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Every call the reference runs: its plan, the map it was handed and the map it left (None, or the tensor
+    and a copy of its bits then)."""
+    calls = []
+    reference = base.get_backend("TORCH_REFERENCE")
+
+    def runner(qkv, plan):
+        given = None if plan.tile_map is None else (plan.tile_map, plan.tile_map.clone())
+        result = reference.runner(qkv, plan)
+        left = None if result.tile_map is None else (result.tile_map, result.tile_map.clone())
+        calls.append((plan, given, left))
+        return result
+
+    monkeypatch.setitem(base._REGISTRY, "TORCH_REFERENCE",
+                        base.FunctionBackend("TORCH_REFERENCE", reference.check, runner, reference.priority,
+                                             reference.returns_lse))
+    return calls
+
+
+def test_maps_are_reused_for_reuse_steps_each_pass_its_own_then_tested_afresh(pipe, spy):
+    with enable_trtllm_attention(pipe, reuse_config(reuse_steps=2)) as handle:
+        generate(pipe)
+        modes = handle.stats.modes()
+        summary = handle.stats.summary()
+    reusing = [step for step, m in modes.items() if any(mode.endswith("skip+reuse") for mode in m)]
+    assert reusing == [1, 2, 4, 5]  # made at 0 and 3, reused by the two steps after each
+    per_step = len(spy) // STEPS
+    assert per_step == 2 * 2 * len(pipe.transformer.blocks)  # two passes (CFG) of a block's two attentions
+    steps = [spy[s * per_step:(s + 1) * per_step] for s in range(STEPS)]
+    assert all(plan.reuse for plan, _, _ in spy)
+    assert all(given is None for _, given, _ in steps[0])  # a run's first step decides from scratch
+    for step in range(1, STEPS):
+        for (_, given, _), (_, _, left_before) in zip(steps[step], steps[step - 1]):
+            assert given[0] is left_before[0]  # the same call site and pass: the map it left the step before
+            assert torch.equal(given[1], left_before[1]) if step != 3 else not given[1].any()  # 3: afresh
+        maps = [given[0] for _, given, _ in steps[step]]
+        assert len({m.data_ptr() for m in maps}) == len(maps)  # each (block, role, pass) its own map
+    assert 0 < summary["reused"] < summary["sparsity"]
+
+
+def test_reuse_off_hands_no_plan_a_map_and_gives_todays_output(pipe, spy):
+    config = reuse_config(reuse_steps=0)
+    with enable_trtllm_attention(pipe, config):
+        off = generate(pipe, steps=3)
+    assert spy and not any(plan.reuse or given is not None for plan, given, _ in spy)
+    del config["default"]["skip_softmax"]["reuse_steps"]
+    with enable_trtllm_attention(pipe, config):
+        assert torch.equal(generate(pipe, steps=3), off)
+
+
+def scoped(pipe):
+    """diffusers' per-request pattern: a shallow copy with a scheduler of its own."""
+    local = copy.copy(pipe)
+    local.scheduler = copy.deepcopy(pipe.scheduler)
+    return local
+
+
+def test_maps_belong_to_the_call_freed_at_its_end_and_never_shared_between_requests(pipe):
+    with enable_trtllm_attention(pipe, reuse_config(reuse_steps=3)) as handle:
+        alone = {steps: generate(scoped(pipe), steps) for steps in (5, 3)}
+        assert handle.stats.tile_map_bytes() == {}  # the call ended: its maps are gone
+        together = run_together({steps: lambda steps=steps: generate(scoped(pipe), steps) for steps in (5, 3)})
+    for steps, out in together.items():
+        assert torch.equal(out, alone[steps]), steps
+
+
+def test_a_gate_switching_mode_tests_every_tile_again(pipe, spy):
+    """SAGE scheduled to start mid-run: the step it starts at makes its maps afresh, whatever reuse_steps says."""
+    config = reuse_config(reuse_steps=10)
+    config["default"]["quant"] = {"dtype_qk": "int8", "disabled_below_timestep": 0.5}
+    with enable_trtllm_attention(pipe, config) as handle:
+        generate(pipe)
+        modes = handle.stats.modes()
+    switch = next(step for step, m in modes.items() if not any("sage" in mode for mode in m))
+    assert all(any(mode.endswith("+reuse") for mode in modes[s]) for s in range(1, switch))
+    assert not any(mode.endswith("+reuse") for mode in modes[switch])
+    assert all(any(mode.endswith("+reuse") for mode in modes[s]) for s in range(switch + 1, STEPS))
+
+
+def test_the_guard_takes_reuse_away_first_where_the_probed_step_reused(pipe):
+    """A probed step above the bound: a site that reused maps at it loses reuse (the next steps test every tile,
+    keeping Skip-Softmax); one that did not loses Skip-Softmax."""
+    config = reuse_config(reuse_steps=10)
+    config["default"]["accuracy"] = {"probe_every": 1, "max_error": 0.01}
+    with enable_trtllm_attention(pipe, config) as handle:
+        planner = handle.planner
+        run = planner.new_run()
+        planner.plan_step(run, 0.9, 0)
+        run.step_calls = [1] * len(run.calls)  # every site ran the step
+        planner.plan_step(run, 0.8, 1)
+        assert run.settings[:, REUSE].tolist() == [REUSE_KEEP] * len(run.calls)
+        run.settings[1, REUSE] = REUSE_FRESH  # site 1 tested every tile at this step
+        with pytest.warns(UserWarning) as caught:
+            planner.guard(run, 1, {0: (1.0, 1.0), 1: (1.0, 1.0)})
+        assert "runs without Skip-Softmax reuse for the rest" in str(caught[0].message)
+        assert "runs without Skip-Softmax for the rest" in str(caught[1].message)
+        assert run.guard_dropped[:2] == [{"reuse"}, {"skip"}]
+        run.step_calls = [1] * len(run.calls)
+        planner.plan_step(run, 0.7, 2)
+        assert run.settings[0, SKIP] > 0 and run.settings[0, REUSE] == REUSE_OFF  # still skipping, untested none
+        assert run.settings[1, SKIP] == 0 and run.settings[1, REUSE] == REUSE_OFF
+        assert run.settings[2, REUSE] == REUSE_KEEP
+
+
+def test_auto_keeps_skip_and_sage_where_only_reuse_cannot_run(monkeypatch):
+    """A backend that runs Skip-Softmax but not its reuse: auto takes it and says it dropped reuse alone; asked
+    explicitly, it is refused with its reason."""
+    def check(plan, qkv):
+        return "no reuse here" if plan.reuse else None
+
+    monkeypatch.setitem(base._REGISTRY, "FAST", base.FunctionBackend("FAST", check, None, priority=50))
+    qkv = VarlenQKV(*(torch.zeros(4, 1, 8) for _ in range(3)), (4,), (4,))
+    plan = KernelPlan("auto", 1.0, skip_factor=1.0, reuse=True)
+    choice = select_backend("auto", plan, qkv)
+    assert choice.name == "FAST" and choice.reuse_dropped and "Skip-Softmax reuse dropped" in choice.dropped
+    with pytest.raises(BackendUnavailableError, match="no reuse here"):
+        select_backend("FAST", plan, qkv)
+
+
+def test_trtllm_attn_refuses_reuse_until_a_kernel_has_it(monkeypatch):
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
     qkv = VarlenQKV(*(torch.zeros(256, 2, 128, dtype=torch.bfloat16) for _ in range(3)), (256,), (256,))
     plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, reuse=True)
-    assert "has no TRTLLM_ATTN kernel yet" in trtllm.unavailable_reason(plan, qkv)
+    assert "skip_softmax.reuse_steps" in trtllm.unavailable_reason(plan, qkv)
     with pytest.raises(BackendUnavailableError, match="reuse_steps"):
         trtllm.run(qkv, plan)
     assert KernelResult(torch.zeros(1)).reused_tiles is None
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
+def test_reuse_steps_must_be_a_whole_number_of_steps(value):
+    with pytest.raises(AttentionConfigError, match=r"skip_softmax.reuse_steps=.* is invalid: expected an int >= 0"):
+        AttentionConfig.from_dict(reuse_config(reuse_steps=value))
+
+
+def test_reuse_needs_something_to_skip_and_a_pipeline():
+    with pytest.raises(AttentionConfigError, match="reuse_steps=2 is invalid: expected 0 unless"):
+        AttentionConfig.from_dict({"default": {"skip_softmax": {"reuse_steps": 2}}})
+    with pytest.raises(AttentionConfigError, match="reuse_steps need the pipeline's steps"):
+        set_dispatch_config({"default": {"skip_softmax": {"threshold": 0.3, "reuse_steps": 2}}})
 
 
 def test_the_benchmark_checks_its_arguments_without_a_gpu():
