@@ -248,3 +248,55 @@ def test_context_parallel_plan_is_diffusers_own_for_wan_and_refuses_a_model_with
                                                    r"\['Cosmos3OmniTransformer', 'HunyuanVideo15Transformer3DModel', "
                                                    r"'WanTransformer3DModel'\]"):
         context_parallel_plan(torch.nn.Linear(2, 2))
+
+
+def _gpu_rank_main(rank: int, world_size: int, port: int, out_path: str) -> None:
+    """Each model under Ulysses 2 on TRTLLM_ATTN (auto) and ring 2 on TORCH_REFERENCE, bf16, NCCL."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        cosmos_model, cosmos = cosmos3_transformer_call(width=48)
+        inputs = {"wan": wan_inputs(batch=1, frames=2, height=8, width=8), "hunyuan": hunyuan_inputs(),
+                  "cosmos": cosmos, "cosmos_vocab": cosmos_model.config.vocab_size}
+        inputs = {k: _to(v, f"cuda:{rank}") for k, v in inputs.items()}
+        results = {}
+        for model in ("wan", "hunyuan", "cosmos"):
+            for degree, config in (("ulysses", {"default": {"backend": "auto"}}), ("ring", DENSE)):
+                one = _build(model, inputs).to(f"cuda:{rank}", torch.bfloat16)
+                split = _build(model, inputs).to(f"cuda:{rank}", torch.bfloat16)
+                with enable_trtllm_attention(one, config), torch.no_grad():
+                    expected = _output(model, one(**inputs[model])[0])
+                enable_trtllm_attention(split, config)
+                split.enable_parallelism(config=ContextParallelConfig(**DEGREES[degree]),
+                                         cp_plan=context_parallel_plan(split))
+                with torch.no_grad():
+                    result = _output(model, split(**inputs[model])[0])
+                results[f"{model}-{degree}"] = rel_err(result.float(), expected.float())
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _to(value, device):
+    """Tensors (also in lists) to the device in bf16 where floating; other values as they are."""
+    if torch.is_tensor(value):
+        return value.to(device, torch.bfloat16 if value.is_floating_point() else None)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_every_model_on_two_gpus_gives_one_gpu_output(tmp_path):
+    """bf16 on two GPUs (NCCL): the split run differs from one GPU's by bf16 rounding only (1e-2)."""
+    out_path = str(tmp_path / "gpu.pt")
+    port = 29500 + (os.getpid() + 11) % 2000
+    mp.spawn(_gpu_rank_main, args=(2, port, out_path), nprocs=2, join=True)
+    errors = torch.load(out_path)
+    assert errors and all(error <= 1e-2 for error in errors.values()), errors
