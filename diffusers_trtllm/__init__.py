@@ -15,7 +15,7 @@ from .calibration.fit import CalibrationResult
 from .cli import add_attention_args, config_from_args
 from .config import AttentionConfig, AttentionSpec, AttnQuantSpec, SkipSoftmaxSpec
 from .errors import AttentionConfigError, BackendUnavailableError, CalibrationError
-from .install import TrtllmAttentionHandle, enable_trtllm_attention
+from .install import TrtllmAttentionHandle, context_parallel_plan, enable_trtllm_attention
 from .processors import (Cosmos3TrtllmAttnProcessor, HunyuanVideo15TrtllmAttnProcessor, TrtllmAttnProcessor,
                          WanTrtllmAttnProcessor)
 from .dispatch import BACKEND_NAME, set_dispatch_config
@@ -27,5 +27,5 @@ __all__ = [
     "BackendUnavailableError", "CalibrationError", "CalibrationResult", "Cosmos3TrtllmAttnProcessor",
     "HunyuanVideo15TrtllmAttnProcessor", "SkipCalibration", "SkipSoftmaxSpec", "TrtllmAttentionHandle",
     "TrtllmAttnProcessor", "WanTrtllmAttnProcessor", "__version__", "add_attention_args", "calibrate",
-    "config_from_args", "enable_trtllm_attention", "set_dispatch_config",
+    "config_from_args", "context_parallel_plan", "enable_trtllm_attention", "set_dispatch_config",
 ]

@@ -14,9 +14,14 @@ decide exactly as on one GPU); ring and Ulysses × ring, which merge partial res
 log-sum-exp, on a backend that returns it (``TORCH_REFERENCE``; another refuses the call naming it). Under ring,
 each key chunk is attended on its own: Skip-Softmax tests a tile against the chunk's running max, SAGE smooths K and
 scales K and V per chunk, and the log-sum-exp carries K's smoothing mean back, so chunks merge exactly.
+Processors whose ranks hold padding or tokens that every rank holds (HunyuanVideo 1.5's text, Cosmos 3's text keys
+and padded generation tokens) pass ``key_masks``: which key tokens of each rank's shard take part, so that padding
+is never attended and a token every rank holds is attended once.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from diffusers.models import attention_dispatch as diffusers_dispatch
@@ -78,13 +83,17 @@ set_dispatch_config(None)
 
 def run_attention(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                   scale: float | None = None, valid_lengths: torch.Tensor | None = None,
-                  parallel_config=None, return_lse: bool = False):
+                  parallel_config=None, return_lse: bool = False, key_masks: torch.Tensor | None = None):
     """One attention call of ``[B, S, H, D]`` tensors as ``call`` plans it (causal or not is the call's role's).
-    ``valid_lengths`` (int CPU tensor ``[B]``) restricts each sample to its first tokens; ``parallel_config`` is
-    the processor's diffusers context-parallel config, or None. ``return_lse``: ``(out, lse [B, Sq, Hq])``."""
+    ``valid_lengths`` (int CPU tensor ``[B]``) restricts each sample to its first tokens (one process only);
+    ``parallel_config`` is the processor's diffusers context-parallel config, or None; under it ``key_masks``
+    (bool CPU tensor ``[ranks, B, S_kv]``, indexed by the rank of diffusers' flattened (ring, ulysses) mesh) says
+    which key tokens of each rank's shard take part (None: all). ``return_lse``: ``(out, lse [B, Sq, Hq])``."""
     if parallel_config is None or parallel_config.context_parallel_config is None:
         return _run(call, query, key, value, scale, valid_lengths, return_lse)
-    return _context_parallel(call, valid_lengths, query, key, value, scale, parallel_config, return_lse)
+    if valid_lengths is not None:
+        raise ValueError("valid_lengths describe one process's sequence; under context parallelism pass key_masks")
+    return _context_parallel(call, key_masks, query, key, value, scale, parallel_config, return_lse)
 
 
 def _run(call: AttentionCall, query, key, value, scale, valid_lengths, return_lse: bool = False):
@@ -119,22 +128,62 @@ def trtllm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                          parallel_config=_parallel_config, return_lse=return_lse)
 
 
-def _context_parallel(call, valid_lengths, query, key, value, scale, parallel_config, return_lse=False):
-    if valid_lengths is not None:
-        raise NotImplementedError(
-            "HunyuanVideo 1.5 with padded text under context parallelism: the packed text of each sample would be "
-            "split across ranks; run it without enable_parallelism or with an unpadded prompt batch")
+def _context_parallel(call, key_masks, query, key, value, scale, parallel_config, return_lse=False):
+    cp = parallel_config.context_parallel_config
+    if key_masks is not None and (cp.ring_anything or cp.ulysses_anything):
+        raise ValueError("ring_anything / ulysses_anything split sequences unevenly, which this model's key masks "
+                         "do not describe; use ContextParallelConfig(ring_degree=..., ulysses_degree=...) alone")
+    # diffusers' ring calls forward_op once per key chunk, its own first, then ring rank r + 1, r + 2, ...; each
+    # chunk is the shards of that ring rank's Ulysses group, concatenated in Ulysses order (mesh (ring, ulysses))
+    chunks = iter(range(cp.ring_degree))
 
     def forward_op(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                    return_lse=False, _save_ctx=True, _parallel_config=None):
-        return _run(call, q, k, v, scale, None, return_lse)
+        if key_masks is None:
+            return _run(call, q, k, v, scale, None, return_lse)
+        step = next(chunks)
+        ring_rank = (cp._ring_local_rank + step) % cp.ring_degree
+        shards = key_masks[ring_rank * cp.ulysses_degree:(ring_rank + 1) * cp.ulysses_degree]
+        return _run_masked_keys(call, q, k, v, scale, shards.transpose(0, 1).flatten(1), return_lse, step == 0)
 
     def backward_op(*args, **kwargs):
         raise NotImplementedError(f"the {BACKEND_NAME!r} attention backend has no backward under context parallelism")
 
+    # Grouped-query heads: the op takes fewer key/value heads itself, so diffusers' enable_gqa (which its templates
+    # refuse) stays False; ring passes them as they are, but Ulysses' all-to-all splits K and V by the query heads'
+    # count, so they travel expanded to the query heads there
+    if cp.ulysses_degree > 1 and key.shape[2] != query.shape[2]:
+        key, value = (x.repeat_interleave(query.shape[2] // key.shape[2], dim=2) for x in (key, value))
     return diffusers_dispatch._templated_context_parallel_attention(
         query, key, value, None, 0.0, call.causal, scale, False, return_lse, forward_op=forward_op,
         backward_op=backward_op, _parallel_config=parallel_config)
+
+
+def _run_masked_keys(call, q, k, v, scale, keep: torch.Tensor, return_lse: bool, first_chunk: bool):
+    """Attention of every query to the keys ``keep`` ``[B, S_kv]`` marks: one call when the samples keep the same
+    keys, else one per sample. A sample keeping no key of a later ring chunk gives 0 with log-sum-exp -inf, which
+    the ring merge ignores; its first chunk (the merge's start) must keep one."""
+    if bool(keep.all()):
+        return _run(call, q, k, v, scale, None, return_lse)
+    groups = [(slice(None), keep[0])] if bool((keep == keep[:1]).all()) else \
+        [(slice(b, b + 1), keep[b]) for b in range(keep.shape[0])]
+    outs, lses = [], []
+    for rows, kept in groups:
+        index = kept.nonzero()[:, 0].to(k.device)
+        if index.numel() == 0:
+            if first_chunk:
+                raise ValueError(
+                    "a rank's own key shard holds no real key of a sample (the sequence is too short for this many "
+                    "ranks); use fewer ranks (ring_degree × ulysses_degree)")
+            outs.append(q[rows].new_zeros(q[rows].shape))
+            lses.append(torch.full(q[rows].shape[:3], -math.inf, device=q.device))
+            continue
+        out, lse = _run(call, q[rows], k[rows].index_select(1, index), v[rows].index_select(1, index), scale, None,
+                        True)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs)
+    return (out, torch.cat(lses)) if return_lse else out
 
 
 def register_dispatch_backend() -> AttentionBackendName:

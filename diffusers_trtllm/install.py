@@ -139,6 +139,17 @@ def enable_trtllm_attention(pipe, config: AttentionConfig | Mapping | str | None
     return handle
 
 
+def context_parallel_plan(transformer: torch.nn.Module) -> dict:
+    """The ``cp_plan`` for ``transformer.enable_parallelism(config=ContextParallelConfig(...), cp_plan=...)``, for
+    every model this package serves: Wan's own ``_cp_plan`` from diffusers; for HunyuanVideo 1.5 (no plan in
+    diffusers) this package's (video split, text whole on every rank); for Cosmos 3 (split outside its model in
+    diffusers) an empty plan, after setting the transformer's ``_cp_shard_fn`` / ``_cp_gather_fn`` seams
+    (generation stream padded and split, text whole). Use it with this package's processors, installed before or
+    after ``enable_parallelism``: their key masks match these splits."""
+    return _processor_class("transformer", _compiled_module(transformer)).context_parallel_plan(
+        _compiled_module(transformer))
+
+
 def _processor_class(component: str, transformer) -> type[TrtllmAttnProcessor]:
     cls = processor_class_for(transformer)
     if cls is None:

@@ -71,7 +71,7 @@ def load_script(relative: str):
     return module
 
 
-def cosmos3_transformer_call():
+def cosmos3_transformer_call(height: int = 32, width: int = 32):
     """The tiny Cosmos 3 transformer and the keyword arguments its pipeline passes it (the packed inputs are
     easiest to get from the pipeline itself)."""
     pipe = tiny_cosmos3_pipeline()
@@ -79,7 +79,7 @@ def cosmos3_transformer_call():
     captured = []
     hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: captured.append(kw) if not captured else None,
                                                       with_kwargs=True)
-    pipe("a fox", height=32, width=32, num_frames=1, num_inference_steps=1, output_type="latent",
+    pipe("a fox", height=height, width=width, num_frames=1, num_inference_steps=1, output_type="latent",
          generator=torch.Generator().manual_seed(0))
     hook.remove()
     return pipe.transformer, captured[0]

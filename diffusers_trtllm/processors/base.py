@@ -91,12 +91,27 @@ class TrtllmAttnProcessor:
         return calls
 
     def attend(self, role: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-               valid_lengths: torch.Tensor | None = None) -> torch.Tensor:
+               valid_lengths: torch.Tensor | None = None, key_masks: torch.Tensor | None = None) -> torch.Tensor:
         """``role``'s attention of ``[B, S, H, D]`` tensors, as planned for this layer, under diffusers' context
-        parallelism where the role takes part in it (:attr:`RoleTraits.context_parallel`)."""
+        parallelism where the role takes part in it (:attr:`RoleTraits.context_parallel`): ``valid_lengths`` on
+        one process, ``key_masks`` under context parallelism (see :func:`~diffusers_trtllm.dispatch.run_attention`)."""
         parallel = self._parallel_config if self.ROLES[role].context_parallel else None
         return run_attention(self.calls[role], query, key, value, valid_lengths=valid_lengths,
-                             parallel_config=parallel)
+                             parallel_config=parallel, key_masks=key_masks)
+
+    def context_parallel_ranks(self) -> int:
+        """The ranks diffusers' context parallelism splits this model's sequence over (0: not enabled)."""
+        cp = getattr(self._parallel_config, "context_parallel_config", None)
+        return 0 if cp is None else cp.ring_degree * cp.ulysses_degree
+
+    @classmethod
+    def context_parallel_plan(cls, transformer: torch.nn.Module) -> dict:
+        """The ``cp_plan`` for ``transformer.enable_parallelism``: diffusers' own ``_cp_plan`` of the model."""
+        plan = getattr(type(transformer), "_cp_plan", None)
+        if plan is None:
+            raise AttentionConfigError(f"{type(transformer).__name__} has no context-parallel plan in diffusers "
+                                       "and none from diffusers_trtllm")
+        return plan
 
     # --- what install needs to know about a model -------------------------------------------------------------
     @classmethod
@@ -129,6 +144,18 @@ class TrtllmAttnProcessor:
         """Forward hooks a model's processors need on the transformer (none by default; picklable objects, never
         holding a call's state); returns their handles."""
         return []
+
+
+def keys_held_by_every_rank(length: int, ranks: int) -> torch.Tensor:
+    """``[ranks, length]`` bool: of a key sequence that every rank holds whole (not split), the tokens each rank's
+    shard attends, dealt round-robin, so that the keys of all shards together hold each token once."""
+    return torch.arange(length)[None, :] % ranks == torch.arange(ranks)[:, None]
+
+
+def real_tokens_of_shards(local_length: int, real: int, ranks: int) -> torch.Tensor:
+    """``[ranks, local_length]`` bool: of a sequence padded to ``ranks`` equal shards, the tokens of each shard
+    before position ``real`` (the rest is padding)."""
+    return torch.arange(ranks * local_length).view(ranks, local_length) < real
 
 
 def bound_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:

@@ -16,6 +16,13 @@ other blocks reuse them (the unbound ``set_attn_processor`` form reads the mask 
 projections are diffusers' modules and ``apply_rotary_emb``, in diffusers' order; only the mask handling
 differs, which is why this processor has its own ``__call__``.
 
+Context parallelism (:meth:`HunyuanVideo15TrtllmAttnProcessor.context_parallel_plan`; diffusers 0.42.1's model has
+no ``_cp_plan``): the video tokens and their RoPE are split over the ranks, the text is not (HunyuanVideo 1.5's
+1,985 text tokens divide by no even rank count). Each rank's joint sequence is then ``[its video shard, all text]``;
+its key mask keeps its video shard and every ``ranks``-th valid text token (round-robin), so that ring and Ulysses
+attend each valid text token once and padded text never. The padded text rows' outputs are then not 0 but
+attention over valid keys; like the 0s, they never reach a valid token.
+
 The text refiner (``context_embedder.token_refiner``) uses the same ``Attention`` class with diffusers'
 ``AttnProcessor2_0``; ``enable_trtllm_attention`` leaves it as it is, and the unbound form hands refiner calls to
 ``AttnProcessor2_0`` unchanged.
@@ -25,12 +32,13 @@ from __future__ import annotations
 
 
 import torch
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
 from ..plan import RoleTraits
-from .base import TrtllmAttnProcessor, bound_arguments
+from .base import TrtllmAttnProcessor, bound_arguments, keys_held_by_every_rank
 
 
 #: the attribute of a transformer call's text mask that holds its valid tokens per sample (int CPU tensor)
@@ -70,6 +78,15 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
         # Joint blocks project text with added K/V projections; the text refiner's Attention has none.
         return super().serves(module) and getattr(module, "added_kv_proj_dim", None) is not None
 
+    @classmethod
+    def context_parallel_plan(cls, transformer: torch.nn.Module) -> dict:
+        """Split the video tokens (after patch embedding) and their RoPE, gather the output projection; the text
+        stays whole on every rank (see the module docstring)."""
+        rope = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)  # cos, sin: [video tokens, D]
+        return {"rope": {0: rope, 1: rope},
+                "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+                "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+
     def install_hooks(self, transformer: torch.nn.Module) -> list:
         return [transformer.transformer_blocks[0].register_forward_pre_hook(TextLengthsReader(), with_kwargs=True)]
 
@@ -97,8 +114,13 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
             key = torch.cat([key, text_key], dim=1)
             value = torch.cat([value, text_value], dim=1)
 
-        out = self.attend("joint_attn", query, key, value,
-                          valid_lengths=self._valid_lengths(attention_mask, query.shape[1]))
+        ranks = self.context_parallel_ranks()
+        if ranks and encoder_hidden_states is not None:
+            out = self.attend("joint_attn", query, key, value, key_masks=self._key_masks(
+                attention_mask, ranks, hidden_states.shape[:2], encoder_hidden_states.shape[1]))
+        else:
+            out = self.attend("joint_attn", query, key, value,
+                              valid_lengths=self._valid_lengths(attention_mask, query.shape[1]))
         out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out, None
@@ -109,6 +131,21 @@ class HunyuanVideo15TrtllmAttnProcessor(TrtllmAttnProcessor, HunyuanVideo15AttnP
         if getattr(attn, "to_add_out", None) is not None:
             text_out = attn.to_add_out(text_out)
         return video_out, text_out
+
+    @staticmethod
+    def _key_masks(text_mask: torch.Tensor | None, ranks: int, video_shape: torch.Size, text_len: int) -> torch.Tensor:
+        """``[ranks, B, video shard + text]``: each rank's video shard, and its round-robin share of valid text."""
+        batch, video_len = video_shape
+        text = keys_held_by_every_rank(text_len, ranks)[:, None, :].expand(ranks, batch, text_len)
+        if text_mask is not None:
+            if text_mask.shape[1] != text_len:
+                raise ValueError(f"the text mask has {text_mask.shape[1]} tokens but this rank holds {text_len} text "
+                                 "tokens: enable context parallelism with diffusers_trtllm.context_parallel_plan("
+                                 "transformer), which keeps the text whole on every rank")
+            counts = getattr(text_mask, VALID_TOKENS_ATTRIBUTE, None)
+            counts = valid_text_tokens(text_mask) if counts is None else counts
+            text = text & (torch.arange(text_len)[None, :] < counts[:, None])  # valid tokens come first
+        return torch.cat([torch.ones(ranks, batch, video_len, dtype=torch.bool), text], dim=2)
 
     def _valid_lengths(self, text_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
         if text_mask is None:
