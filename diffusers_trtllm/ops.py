@@ -73,7 +73,7 @@ def _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per
     qkv, rows = packed_problem(q, k, v, valid_lengths)
     if run is not None and run.probing[site]:
         call = run.calls[site]
-        call.probe(call.site, qkv, scale=scale, causal=causal, tile=(tile_q, tile_kv))
+        call.probe(call.site, qkv, scale=scale, causal=causal, tile=(tile_q, tile_kv), step=run.step)
         value = 0.0
     tile_map = None
     reuse = bool(reuse_mode and value and run is not None)  # a run owns the maps; outside one none is reused

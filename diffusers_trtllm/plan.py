@@ -427,7 +427,7 @@ class CallPlanner:
                 f"{error:.3g} at step {step} exceeds the bound accuracy.max_error={bound:g}; {outcome}")
 
     def set_probe(self, probe: Callable | None) -> None:
-        """Hand every call that would skip to ``probe(site, qkv, scale=, causal=, tile=)`` and run it dense
+        """Hand every call that would skip to ``probe(site, qkv, scale=, causal=, tile=, step=)`` and run it dense
         (Skip-Softmax calibration; eager runs only) from the next planned step on. ``None`` ends probing."""
         for call in self.calls.values():
             call.probe = probe

@@ -45,28 +45,54 @@ class _SkipProbe:
     """Called for every call that would skip: per (component, prompt, kv_len), tiles each λ skips and tiles in all.
 
     Counts on the calibration's ``tile`` and ``kv_step``, the skip decisions of the kernel the curve is for (the
-    plan's own tile, passed in by the planner, is not used).
+    plan's own tile, passed in by the planner, is not used). With ``reuse_steps`` (Skip-Softmax reuse), a tile
+    counts as skipped at a step when some step of its reuse window (the step that tested every tile and the
+    ``reuse_steps`` after it, per site and pass) skipped it: the window's smallest gap is below log λ.
     """
 
-    def __init__(self, lambdas: Sequence[float], tile: tuple[int, int], kv_step: int | None = None):
+    def __init__(self, lambdas: Sequence[float], tile: tuple[int, int], kv_step: int | None = None,
+                 reuse_steps: int = 0):
         self.lambdas = tuple(lambdas)
         self.tile = tile
         self.kv_step = kv_step
+        self.reuse_steps = reuse_steps
+        # per (site, pass): the step its window started at and each sequence's smallest gaps (float16) since
+        self.windows: dict = {}
+        self.passes: dict = defaultdict(int)
         self.prompt = 0
         self.skipped: dict = {}
         self.total: dict = defaultdict(int)
         self.layers: dict[str, set[str]] = defaultdict(set)
         self.calls = 0
 
-    def __call__(self, site, qkv, *, scale: float, causal: bool, tile: tuple[int, int]) -> None:
+    def __call__(self, site, qkv, *, scale: float, causal: bool, tile: tuple[int, int], step: int | None = None
+                 ) -> None:
         self.calls += 1
         self.layers[site.component].add(site.layer)
-        for (q, k, _, _), kv_len in zip(qkv.sequences(), qkv.seqlens_kv):
+        window = self._window(site, step)
+        for index, ((q, k, _, _), kv_len) in enumerate(zip(qkv.sequences(), qkv.seqlens_kv)):
             gaps = skip_gaps(q, k, scale, tile=self.tile, kv_step=self.kv_step, causal=causal)
+            if window is not None:
+                kept = window.get(index)
+                if kept is not None and kept.shape == gaps.shape:
+                    gaps = torch.minimum(gaps, kept.to(gaps.dtype))
+                window[index] = gaps.to(torch.float16)
             key = (site.component, self.prompt, kv_len)
             counts = count_skips(gaps, self.lambdas)  # stays on the device until the fit
             self.skipped[key] = counts if key not in self.skipped else self.skipped[key] + counts
             self.total[key] += gaps.numel()
+
+    def _window(self, site, step: int | None) -> dict | None:
+        """This call's reuse window, ``{sequence: smallest gaps}`` (made afresh at its first step), or None."""
+        if not self.reuse_steps or step is None:
+            return None
+        this_step = (site, self.prompt, step)
+        key = (site, self.passes[this_step])  # the site's n-th call in a step is pass n
+        self.passes[this_step] += 1
+        window = self.windows.get(key)  # (prompt, start step, gaps)
+        if window is None or window[0] != self.prompt or not 0 <= step - window[1] <= self.reuse_steps:
+            window = self.windows[key] = (self.prompt, step, {})
+        return window[2]
 
     def points(self, component: str) -> list[dict]:
         out = []
@@ -94,7 +120,7 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
               disabled_until_timestep: float = 0.0, sparse_roles: Sequence[str] | None = None,
               ignore: Sequence[str] = (), target_sparsity: float | None = None,
               fit_range: tuple[float, float] = DEFAULT_FIT_RANGE, backend: str = "auto",
-              tile: tuple[int, int] = DEFAULT_TILE, kv_step: int | None = None, seed: int = 0,
+              tile: tuple[int, int] = DEFAULT_TILE, kv_step: int | None = None, reuse_steps: int = 0, seed: int = 0,
               progress: bool = True,
               **pipe_kwargs) -> CalibrationResult:
     """Calibrate ``pipe``'s transformers for Skip-Softmax at the deployment shape; see the module docstring.
@@ -117,6 +143,8 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
             (128 × 128: FMHAv2 bf16 on Hopper; 64 × 128: Hopper's SAGE kernels, FMHAv2's and the Triton one).
         kv_step: keys per online-softmax step of that kernel, whose tiles are all decided against the running
             max at the step's start (256 for Hopper's FMHAv2 SAGE kernel; default: each tile is a step).
+        reuse_steps: the curve of Skip-Softmax reuse (``skip_softmax.reuse_steps``, 0: without reuse): a tile
+            counts as skipped where some step of its reuse window skipped it; deploy with the same value.
         pipe_kwargs: passed to the pipeline (``guidance_scale``...).
 
     Raises:
@@ -129,6 +157,8 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
         raise ValueError(f"lambdas={bad or list(lambdas)} is invalid: expected a non-empty list of λ in (0, 1] "
                          "(λ > 1 skips nearly everything and cannot be counted exactly in one pass)")
     tile = checked_tiles(tile, kv_step)
+    if type(reuse_steps) is not int or reuse_steps < 0:
+        raise invalid("reuse_steps", reuse_steps, "an int >= 0 (0: the curve without Skip-Softmax reuse)")
     sparse_roles = default_sparse_roles(pipe) if sparse_roles is None else tuple(sparse_roles)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     sparse = {"backend": backend, "skip_softmax": {"threshold": PROBE_THRESHOLD,
@@ -136,7 +166,7 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
     dense = {"backend": backend}
     config = {"default": dense,
               "per_role": {**{role: sparse for role in sparse_roles}, **{name: dense for name in ignore}}}
-    probe = _SkipProbe(lambdas, tile, kv_step)
+    probe = _SkipProbe(lambdas, tile, kv_step, reuse_steps)
     with warnings.catch_warnings():
         # Probed calls run dense anyway: auto dropping Skip-Softmax on this machine changes nothing here.
         warnings.filterwarnings("ignore", message="diffusers_trtllm: auto runs")
@@ -179,6 +209,7 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
                                "disabled_until_timestep": disabled_until_timestep},
                 "calibration": {"prompts": len(prompts), "seed": seed, "lambdas": list(lambdas),
                                 "fit_range": list(fit_range), "tile": list(tile), "kv_step": kv_step,
+                                "reuse_steps": reuse_steps,
                                 "sparse_roles": list(sparse_roles),
                                 "ignore": list(ignore), "counting": "dense running max (exact for λ <= 1)"},
                 "versions": _versions()}

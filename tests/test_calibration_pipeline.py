@@ -182,3 +182,36 @@ def test_suggesting_a_target_outside_the_observed_sparsity_warns():
         result = calibrate(pipe, PROMPTS[0], height=128, width=256, num_frames=5, num_inference_steps=1,
                            lambdas=LAMBDAS, tile=(32, 32), fit_range=(0.0, 1.0), target_sparsity=0.95, progress=False)
     assert result.fits["transformer"].calibration.target_sparsity == 0.95
+
+
+def test_the_reuse_curve_is_what_reuse_achieves():
+    """``calibrate(..., reuse_steps=2)`` counts a tile skipped where its reuse window skipped it: never less than
+    the curve without reuse, and at each λ what a run with that threshold and reuse then skips."""
+    pipe = calibration_pipeline()
+    lambdas = (1e-3, 1e-2, 1e-1)
+    curves = {}
+    for reuse_steps in (0, 2):
+        result = calibrate(pipe, PROMPTS[0], lambdas=lambdas, reuse_steps=reuse_steps, fit_range=(0.0, 1.0),
+                           progress=False, **SHAPE)
+        assert result.settings["calibration"]["reuse_steps"] == reuse_steps
+        curves[reuse_steps] = {(c, p["lambda"]): p["sparsity"] for c, fit in result.fits.items() for p in fit.points}
+    assert all(curves[2][key] >= curves[0][key] for key in curves[0])
+    assert any(curves[2][key] > curves[0][key] + 0.01 for key in curves[0])
+    for lam in lambdas[1:]:
+        config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {"threshold": lam, "reuse_steps": 2}},
+                  "per_role": {"cross_attn": {"backend": "TORCH_REFERENCE"}}}
+        with enable_trtllm_attention(pipe, config) as handle:
+            pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), output_type="latent", **SHAPE)
+            counts = {}
+            for key, record in handle.stats.records.items():
+                if record.skips:
+                    tiles = counts.setdefault(key[1].split(".")[0], [0, 0])
+                    tiles[0] += record.skipped + record.reused
+                    tiles[1] += record.total
+        for component, (skipped, total) in counts.items():
+            assert abs(skipped / total - curves[2][(component, lam)]) < 0.01, (component, lam)
+
+
+def test_reuse_steps_is_checked_before_any_work():
+    with pytest.raises(ValueError, match=r"reuse_steps=-1 is invalid: expected an int >= 0"):
+        calibrate(object(), "p", reuse_steps=-1, **SHAPE)
