@@ -34,11 +34,11 @@ def test_each_python_block_runs_on_a_cpu_as_printed(name, code, tmp_path):
 def test_the_readme_test_command_is_the_one_ci_runs():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    setup = re.search(r"^pip install -q (torch==\S+ -e \"\.\[test\]\" && pip install) -q (--no-deps \"flashinfer-python"
-                      r"[^\"]+\")$", ci, re.M)
+    setup = re.search(r"^pip install -q (torch==\S+ --extra-index-url https://download.pytorch.org/whl/cpu && pip install)"
+                      r" -q (-e \"\.\[test\]\" && pip install) -q (--no-deps \"flashinfer-python[^\"]+\")$", ci, re.M)
     tests = re.search(r"^python -m pytest (-q -rs)$", ci, re.M)
     assert setup and tests, "the set-up or test line of .ci/run changed shape: update this test and the README"
-    command = f"pip install {setup[1]} {setup[2]} && python -m pytest {tests[1]}"
+    command = f"pip install {setup[1]} {setup[2]} {setup[3]} && python -m pytest {tests[1]}"
     assert command in readme, f"the README's command 2 is not .ci/run's: {command}"
     extra = re.search(r"^    (flashinfer-python\S+)$", (ROOT / "setup.cfg").read_text(), re.M)[1]
-    assert f'"{extra}"' in setup[2], "the tests bind the newest FlashInfer the [flashinfer] extra resolves to"
+    assert f'"{extra}"' in setup[3], "the tests bind the newest FlashInfer the [flashinfer] extra resolves to"
