@@ -121,6 +121,9 @@ class KernelPlan:
     λ_i = skip_factor / kv_len_i; 0 disables skipping. ``tile`` is ``(query rows, key columns)`` per skip decision.
     ``count_skips`` asks the backend to count skipped tiles (when it can). ``return_lse`` asks for each query row's
     log-sum-exp (ring attention merges partial results by it); a backend that cannot give it refuses the plan.
+    ``tile_map``: skip decisions reused across steps, an int32 ``[batch, heads_q, q_tiles, kv_words]`` bit map of
+    the kernel's skip tile that the kernel updates in place (``kernels.triton_sage`` documents the layout): tiles
+    set on entry are skipped without being computed, and on exit it holds every tile skipped in the call.
     """
 
     backend: str
@@ -131,6 +134,7 @@ class KernelPlan:
     tile: tuple[int, int] = DEFAULT_TILE
     count_skips: bool = False
     return_lse: bool = False
+    tile_map: torch.Tensor | None = None
 
     @property
     def skips(self) -> bool:
@@ -149,6 +153,9 @@ class KernelResult:
     #: with ``KernelPlan.return_lse``: float32 ``[total_q, heads_q]``, natural log of each row's sum of
     #: exp(scale · scores) over the keys it kept (``-inf`` for a row that sees no key)
     lse: torch.Tensor | None = None
+    #: with ``KernelPlan.tile_map`` and ``count_skips``: the tiles skipped by reuse of the map (``skipped_tiles``
+    #: then counts those skipped by the test only)
+    reused_tiles: int | torch.Tensor | None = None
 
 
 class Backend(Protocol):

@@ -319,12 +319,17 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
         if not counting:
             return KernelResult(out)
         return KernelResult(out, skipped[0], fmha_v2_sage.skip_tiles(tuple(qkv.seqlens_kv), qkv.q.shape[1]))
+    device = qkv.q.device
+    lse = torch.empty(qkv.q.shape[:2], dtype=torch.float32, device=device) if plan.return_lse else None
+    reused = (torch.zeros((), dtype=torch.int32, device=device) if plan.tile_map is not None and plan.count_skips
+              else None)
     out, skipped, total = triton_sage.triton_sage_attention(
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),
         tuple(qkv.seqlens_kv), plan.scale, dtype_qk=semantics.dtype_qk, q_block=semantics.q_block,
         k_block=semantics.k_block, skip_factor=plan.skip_factor, skip_tile=semantics.skip_tile,
-        count_skips=plan.count_skips, skip_sample=semantics.skip_sample)
-    return KernelResult(out, skipped, total)
+        count_skips=plan.count_skips, skip_sample=semantics.skip_sample, tile_map=plan.tile_map, reused=reused,
+        lse=lse)
+    return KernelResult(out, skipped, total, lse, reused)
 
 
 def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:

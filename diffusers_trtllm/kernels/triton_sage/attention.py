@@ -100,8 +100,8 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
 
     ``tile_map``: a tile map of ``skip_tile`` (module docstring), updated in place; its tiles are skipped by
     reuse in every launch (also without ``skip_factor``: then nothing is tested), and the sampled rule counts the
-    sampled tiles' reused skips as skipped. ``skipped`` counts the tiles skipped by the test only; ``reused`` (a
-    0-dim int32 tensor on the device, optional) receives the added count of tiles skipped by reuse.
+    sampled tiles' reused skips as skipped. ``skipped`` counts the tiles skipped by the test only; to ``reused``
+    (optional, a 0-dim int32 tensor on the device) the kernel adds the count of those skipped by reuse.
     ``lse``: float32 ``[Tq, Hq]`` (rows contiguous) to receive each row's log-sum-exp, natural log of the sum of
     exp(scale · scores) over the keys it kept, K's smoothing mean added back (needs ``quantized.q_dot_k_mean``);
     ``-inf`` for a row that kept no key.
@@ -206,7 +206,8 @@ def triton_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     newer with Triton (tuned on sm_90). Raises ``ValueError`` with the reason when
     :func:`triton_sage_unavailable_reason` is not ``None``.
     """
-    reason = triton_sage_unavailable_reason(q, k, v, skip_tile=skip_tile if skip_factor > 0.0 else None)
+    deciding = skip_factor > 0.0 or tile_map is not None
+    reason = triton_sage_unavailable_reason(q, k, v, skip_tile=skip_tile if deciding else None)
     if reason is not None:
         raise ValueError(reason)
     quantized = sage_quantize(q, k, v, cu_seqlens_q, cu_seqlens_kv, max(seqlens_q), max(seqlens_kv),
