@@ -330,7 +330,7 @@ def _attend_kv_tiles_by_map(q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_b
         first = word_index * _MAP_WORD_BITS
         reused += _popcount(word & _low_bits(tiles - first))
         todo = (word ^ 0xFFFFFFFF) & _low_bits(full_tiles - first)  # (~ on uint32 fails in the interpreter)
-        if branch_free:
+        if BRANCH_FREE_PERCENT > 0 and branch_free:  # (a constexpr 0 compiles the branching loop only)
             m_i, l_i, acc, skipped, test_bits = _attend_kv_tile_bits(
                 q, q_scale, row_invalid, m_i, l_i, acc, skipped, k_base, stride_kt, k_scale_base, k_block_shift,
                 v_base, first, todo, kv_len, v_len, log2_lambda,
