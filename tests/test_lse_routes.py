@@ -19,7 +19,6 @@ import torch
 from diffusers_trtllm.backends import run_backend, trtllm
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV, get_backend
 from diffusers_trtllm.config import AttnQuantSpec
-from diffusers_trtllm.errors import BackendUnavailableError
 from diffusers_trtllm.kernels import fmha_v2_sage
 from diffusers_trtllm.kernels.flashinfer_calls import (FMHA_V2, TRTLLM_GEN, build_ragged_index, fmha_v2_call,
                                                        fmha_v2_stats_lse, trtllm_gen_call)
@@ -199,29 +198,23 @@ def test_kernels_with_statistics_are_separate_and_at_the_kv_step_trtllm_attn_run
                                             kv_step=128, return_lse=True)
 
 
-# ---------------------------------------------------------------- CPU: who gives it, who refuses
+# ---------------------------------------------------------------- CPU: every route gives it
 
 
-@pytest.mark.parametrize("quant,lengths,refused", [
-    (AttnQuantSpec("int8"), ((300,), (300,)), True),
-    (AttnQuantSpec("fp8_e4m3", 4, 4), ((300,), (300,)), True),
-    (AttnQuantSpec("fp8_e4m3"), ((600,), (300,)), True),  # more queries than keys: the Triton kernel
-    (AttnQuantSpec("fp8_e4m3"), ((200,), (300,)), False),
-    (None, ((600,), (300,)), False),
+@pytest.mark.parametrize("quant,lengths", [
+    (AttnQuantSpec("int8"), ((300,), (300,))),  # the Triton kernel
+    (AttnQuantSpec("fp8_e4m3", 4, 4), ((300,), (300,))),  # the Triton kernel
+    (AttnQuantSpec("fp8_e4m3"), ((600,), (300,))),  # more queries than keys: the Triton kernel
+    (AttnQuantSpec("fp8_e4m3"), ((200,), (300,))),  # FMHAv2 SAGE
+    (None, ((600,), (300,))),  # FMHAv2
 ])
-def test_hopper_routes_without_an_lse_refuse_naming_those_with_one(monkeypatch, quant, lengths, refused):
+def test_every_hopper_route_takes_a_plan_asking_for_the_lse(monkeypatch, quant, lengths):
     on_arch(monkeypatch, "sm_90")
     monkeypatch.setattr(trtllm, "flashinfer_unavailable_reason", lambda function: None)
-    qkv = _qkv(*lengths)
+    monkeypatch.setattr(trtllm.triton_sage, "triton_sage_unavailable_reason", lambda *args, **kwargs: None)
     plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=quant, return_lse=True)
-    reason = trtllm.unavailable_reason(plan, qkv)
-    assert (reason is not None) == refused
-    assert get_backend("TRTLLM_ATTN").lse_reason() is None  # the op's backend-wide question: per plan instead
-    if refused:
-        assert "Triton SAGE kernel, which does not return the log-sum-exp" in reason and "FMHAv2 SAGE does" in reason
-        with pytest.raises(BackendUnavailableError, match="FMHAv2 SAGE does"):
-            trtllm.run(qkv, plan)
-        assert trtllm.lse_unavailable_reason(KernelPlan("TRTLLM_ATTN", SCALE, quant=quant), qkv) is None
+    assert trtllm.unavailable_reason(plan, _qkv(*lengths)) is None
+    assert get_backend("TRTLLM_ATTN").lse_reason() is None
 
 
 # ---------------------------------------------------------------- GPU: every Hopper route against the reference

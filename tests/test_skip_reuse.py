@@ -16,7 +16,6 @@ import copy
 import math
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch

@@ -41,8 +41,10 @@ Declared constraints (:func:`unavailable_reason` returns the first that fails, a
 The log-sum-exp (``KernelPlan.return_lse``, ring attention): FMHAv2 (dense, Skip-Softmax, SAGE) from its softmax
 statistics, FlashAttention-4 from its own, trtllm-gen from its base-2 log-sum-exp; SAGE's K smoothing shift
 ``scale · q · mean(K)`` is added back. A dense step on the cuDNN route runs FMHAv2 when it must return the
-log-sum-exp (torch SDPA gives none; FMHAv2 is as fast on self-attention). The Triton SAGE kernel gives none: such a
-plan is refused, naming what does (:func:`lse_unavailable_reason`).
+log-sum-exp (torch SDPA gives none; FMHAv2 is as fast on self-attention); the Triton SAGE kernel writes it too.
+
+Skip-Softmax reuse (``KernelPlan.reuse``, tile maps kept across steps): the Triton SAGE kernel reads a map and skips
+its tiles without loading them (:func:`reuse_unavailable_reason` says which plans run it).
 
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
 ``tile=(128, 128)`` predicts them), per 64 × 128 by the FMHAv2 SAGE kernel (both halves of a 256-key step against
@@ -75,10 +77,10 @@ from ..kernels.numerics import HEAD_DIM, P_SCALE, head_dim_mismatch
 from ..platform import flashinfer_version, gpu_arch, version_tuple
 from ..quant import SageSemantics
 from .base import (ROUTE_KERNEL_SEPARATOR, KernelPlan, KernelResult, VarlenQKV, dense_kernel_of,
-                   more_queries_than_keys, register_backend)
+                   more_queries_than_keys, register_backend, tile_map_for)
 from .sdpa import SDPA_BACKEND
 
-__all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "lse_unavailable_reason",
+__all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "reuse_unavailable_reason",
            "run", "warmup",
            "release_workspaces", "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes", "dense_route",
            "dense_kernel_of"]
@@ -265,11 +267,19 @@ def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, more_queries_th
 
 
 def reuse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-    """Why no TRTLLM_ATTN kernel can reuse Skip-Softmax tile maps for ``plan`` on ``qkv``, or None."""
+    """Why the kernel TRTLLM_ATTN runs for ``plan`` on ``qkv`` cannot reuse Skip-Softmax tile maps, naming what
+    can, or None (also when not asked)."""
     if not plan.reuse:
         return None
-    return ("Skip-Softmax reuse (skip_softmax.reuse_steps) has no TRTLLM_ATTN kernel yet (it runs on "
-            "TORCH_REFERENCE); set skip_softmax.reuse_steps 0")
+    arch = gpu_arch(qkv.q.device)
+    if arch in FMHA_V2_ARCHS and plan.quant is not None and \
+            _hopper_sage_kernel(plan.quant, qkv.more_queries_than_keys) == "triton":
+        return None
+    kernel = (f"trtllm-gen on {arch}" if arch in TRTLLM_GEN_ARCHS else
+              "FMHAv2 bf16 (a step without SAGE)" if plan.quant is None else "the FMHAv2 SAGE kernel")
+    return (f"Skip-Softmax reuse (skip_softmax.reuse_steps) runs on Hopper's Triton SAGE kernel (quant.q_block_size "
+            f"and k_block_size in {list(TRITON_SAGE_BLOCKS)}, or int8) and on TORCH_REFERENCE; {kernel} has none: "
+            "choose those, or set skip_softmax.reuse_steps 0")
 
 
 def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
@@ -318,22 +328,8 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
         return reason
     arch = gpu_arch(qkv.q.device)
     if arch in FMHA_V2_ARCHS:
-        return lse_unavailable_reason(plan, qkv) or _hopper_reason(plan, qkv)
+        return _hopper_reason(plan, qkv)
     return _blackwell_reason(plan, qkv, arch)
-
-
-def lse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-    """Why the kernel TRTLLM_ATTN runs for ``plan`` on ``qkv`` cannot give the log-sum-exp ``plan.return_lse``
-    asks for, naming what can; ``None`` when it can (or was not asked)."""
-    if not plan.return_lse or plan.quant is None or gpu_arch(qkv.q.device) not in FMHA_V2_ARCHS:
-        return None
-    if _hopper_sage_kernel(plan.quant, qkv.more_queries_than_keys) == "fmha_v2":
-        return None
-    return (f"TRTLLM_ATTN's Hopper SAGE {plan.quant.dtype_qk} with these block sizes (or more queries than keys) "
-            "runs the Triton SAGE kernel, which does not return the log-sum-exp that ring attention merges by; "
-            f"FMHAv2 SAGE does (fp8_e4m3, block sizes unset or q {fmha_v2_sage.Q_BLOCK} with k "
-            f"{list(FMHA_V2_USER_K_BLOCKS)}, no more queries than keys), as do TRTLLM_ATTN without SAGE and "
-            "TORCH_REFERENCE")
 
 
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
@@ -349,12 +345,17 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
         if not counting:
             return KernelResult(out, lse=lse)
         return KernelResult(out, skipped[0], fmha_v2_sage.skip_tiles(tuple(qkv.seqlens_kv), qkv.q.shape[1]), lse)
+    device = qkv.q.device
+    lse = torch.empty(qkv.q.shape[:2], dtype=torch.float32, device=device) if plan.return_lse else None
+    tile_map = tile_map_for(plan, qkv, semantics.skip_tile or plan.tile)
+    reused = torch.zeros((), dtype=torch.int32, device=device) if tile_map is not None and plan.count_skips else None
     out, skipped, total = triton_sage.triton_sage_attention(
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),
         tuple(qkv.seqlens_kv), plan.scale, dtype_qk=semantics.dtype_qk, q_block=semantics.q_block,
         k_block=semantics.k_block, skip_factor=plan.skip_factor, skip_tile=semantics.skip_tile,
-        count_skips=plan.count_skips, skip_sample=semantics.skip_sample)
-    return KernelResult(out, skipped, total)
+        count_skips=plan.count_skips, skip_sample=semantics.skip_sample, tile_map=tile_map, reused=reused,
+        lse=lse)
+    return KernelResult(out, skipped, total, lse, tile_map, reused)
 
 
 def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
@@ -363,11 +364,11 @@ def run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     ``qkv``: :class:`~.base.VarlenQKV` with q ``[total_q, Hq, 128]``, k/v ``[total_kv, Hkv, 128]`` bf16 on a
     CUDA device that :func:`unavailable_reason` accepted. Returns ``out [total_q, Hq, 128]`` bf16; skip counts
     when ``plan.count_skips`` from the SAGE kernels (Triton, FMHAv2), not from the bf16 ones; with
-    ``plan.return_lse`` the log-sum-exp ``[total_q, Hq]`` float32 (a plan whose kernel gives none raises
-    :class:`BackendUnavailableError`, :func:`lse_unavailable_reason`). On Hopper a dense call runs the kernel its
+    ``plan.return_lse`` the log-sum-exp ``[total_q, Hq]`` float32; with ``plan.reuse`` the tile map it ran with
+    (a plan no kernel reuses for raises :class:`BackendUnavailableError`). On Hopper a dense call runs the kernel its
     route names (``plan.backend``, :func:`dense_route`); the cuDNN route's runs FMHAv2 when asked for the log-sum-exp.
     """
-    reason = lse_unavailable_reason(plan, qkv) or reuse_unavailable_reason(plan, qkv)
+    reason = reuse_unavailable_reason(plan, qkv)
     if reason is not None:
         raise BackendUnavailableError(reason)
     arch = gpu_arch(qkv.q.device)
@@ -512,5 +513,5 @@ def _log_dense_choice(arch: str, kernel: str, passed_over: tuple[tuple[str, str]
                    why, list(DENSE_KERNEL_TITLES))
 
 
-# Every route gives the log-sum-exp or refuses the plan naming what does (lse_unavailable_reason).
+# Every route gives the log-sum-exp.
 TRTLLM_BACKEND = register_backend(TRTLLM_ATTN, run, unavailable_reason, priority=10, returns_lse=True)

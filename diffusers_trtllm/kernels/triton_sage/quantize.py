@@ -48,6 +48,9 @@ class SageQuantized(NamedTuple):
       multiple of 16, hold zeros.
     - ``v_scale``: ``[B, Hkv, D]`` float32, one scale per sequence, head and channel.
 
+    - ``q_dot_k_mean``: ``[Tq, Hq]`` float32 (from ``sage_quantize(..., q_dot_k_mean=True)``, else None):
+      :class:`QuantizeTargets`' field of that name.
+
     ``value ≈ quantized value × scale`` for every tensor, as :func:`diffusers_trtllm.quant.quantize_sequence`.
     """
 
@@ -59,6 +62,7 @@ class SageQuantized(NamedTuple):
     v_scale: torch.Tensor
     q_block: int
     k_block: int
+    q_dot_k_mean: torch.Tensor | None = None
 
 
 class QuantizeTargets(NamedTuple):
@@ -76,7 +80,10 @@ class QuantizeTargets(NamedTuple):
     ``q_padded_to_kv``: ``q`` (and its scales) has the keys' layout, ``[Tk, Hq, D]``: sequence ``i``'s queries go
     to rows ``cu_seqlens_kv[i]`` onwards, followed by zero rows (scale blocks of them: ``TINY_SCALE / qmax``) up
     to its key length, so a kernel taking equal query and key lengths serves sequences with fewer queries than
-    keys; every sequence needs at most as many queries as keys.
+    keys; every sequence needs at most as many queries as keys. ``q_dot_k_mean`` (optional, ``[Tq, Hq]``
+    float32, rows contiguous): receives each query row's dot product with its sequence's K mean (of the row's kv
+    head), from the unquantized values. Smoothing lowers the row's scores by the softmax scale times it, so a
+    kernel adds that back to give the log-sum-exp of the unsmoothed scores (ring attention merges by it).
     """
 
     q: torch.Tensor
@@ -89,6 +96,7 @@ class QuantizeTargets(NamedTuple):
     v_transposed: bool
     v_fmha_v2_order: bool = False
     q_padded_to_kv: bool = False
+    q_dot_k_mean: torch.Tensor | None = None
 
 
 def scale_columns(tokens: int, batch: int, block: int) -> int:
@@ -127,24 +135,27 @@ def quantize_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     seq_stride = (lambda t: t.stride(0)) if targets.scales_by_sequence else (lambda t: 0)
     head_stride = (lambda t: t.stride(1)) if targets.scales_by_sequence else (lambda t: t.stride(0))
     k_scale = targets.q_scale if k_block == 0 else targets.k_scale
+    # without q_dot_k_mean the kernel never reads its pointer: any float32 tensor will do
+    q_dot_k_mean = targets.q_scale if targets.q_dot_k_mean is None else targets.q_dot_k_mean
     _sage_quantize_kernel[(q_chunks + kv_chunks, max(heads_q, heads_kv), batch)](
         q, k, v, k_sum, *k_range, v_amax, cu_seqlens_q, cu_seqlens_kv,
-        targets.q, targets.q_scale, targets.k, k_scale, targets.v, targets.v_scale,
+        targets.q, targets.q_scale, targets.k, k_scale, targets.v, targets.v_scale, q_dot_k_mean,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         targets.q.stride(0), targets.q.stride(1), targets.k.stride(0), targets.k.stride(1),
         targets.v.stride(0), targets.v.stride(1), head_stride(targets.q_scale), seq_stride(targets.q_scale),
-        head_stride(k_scale), seq_stride(k_scale), q_chunks, heads_q, heads_kv,
+        head_stride(k_scale), seq_stride(k_scale), q_dot_k_mean.stride(0), q_chunks, heads_q, heads_kv,
         QMAX=qmax(dtype_qk), QK_INT8=dtype_qk == "int8",
         Q_BLOCK=q_block, K_BLOCK=k_block, SCALES_BY_SEQUENCE=targets.scales_by_sequence,
         V_TRANSPOSED=targets.v_transposed, V_FMHA_V2_ORDER=targets.v_fmha_v2_order,
-        Q_PADDED_TO_KV=targets.q_padded_to_kv, TOKENS=tokens, HEAD_DIM=HEAD_DIM, num_warps=4 if tokens <= 64 else 8)
+        Q_PADDED_TO_KV=targets.q_padded_to_kv, Q_DOT_K_MEAN=targets.q_dot_k_mean is not None, TOKENS=tokens, HEAD_DIM=HEAD_DIM, num_warps=4 if tokens <= 64 else 8)
 
 
 def sage_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   cu_seqlens_kv: torch.Tensor, max_seqlen_q: int, max_seqlen_kv: int, *, dtype_qk: str,
-                  q_block: int, k_block: int) -> SageQuantized:
+                  q_block: int, k_block: int, q_dot_k_mean: bool = False) -> SageQuantized:
     """Quantize a packed batch into the attention kernel's layouts (:class:`SageQuantized`) with
-    :func:`quantize_into`. ``q_block`` / ``k_block``: 1, 4 or 16 tokens."""
+    :func:`quantize_into`. ``q_block`` / ``k_block``: 1, 4 or 16 tokens. ``q_dot_k_mean``: also each query row's
+    dot product with its K mean (what the attention kernel's log-sum-exp needs)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     batch, heads_q, heads_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
     device = q.device
@@ -156,10 +167,11 @@ def sage_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         k_scale=torch.empty(heads_kv, scale_columns(k.shape[0], batch, k_block), dtype=torch.float32, device=device),
         v_t=torch.empty(heads_kv, HEAD_DIM, v_columns(k.shape[0], batch), dtype=torch.float8_e4m3fn, device=device),
         v_scale=torch.empty(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device),
-        q_block=q_block, k_block=k_block)
+        q_block=q_block, k_block=k_block,
+        q_dot_k_mean=torch.empty(q.shape[:2], dtype=torch.float32, device=device) if q_dot_k_mean else None)
     quantize_into(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                   QuantizeTargets(out.q, out.q_scale, out.k, out.k_scale, out.v_t, out.v_scale,
-                                  scales_by_sequence=False, v_transposed=True),
+                                  scales_by_sequence=False, v_transposed=True, q_dot_k_mean=out.q_dot_k_mean),
                   dtype_qk=dtype_qk, q_block=q_block, k_block=k_block)
     return out
 
@@ -266,19 +278,20 @@ def _sequence_k_scale(k_sum_ptr, k_max_ptr, k_min_ptr, stats, length, QMAX: tl.c
 
 @jit
 def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, v_amax_ptr, cu_q_ptr, cu_kv_ptr,
-                          q_out_ptr, q_scale_ptr, k_out_ptr, k_scale_ptr, v_out_ptr, v_scale_ptr,
+                          q_out_ptr, q_scale_ptr, k_out_ptr, k_scale_ptr, v_out_ptr, v_scale_ptr, q_dot_k_mean_ptr,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_q_out_t, stride_q_out_h, stride_k_out_t, stride_k_out_h, v_out_stride_0,
                           v_out_stride_1, q_scale_head_stride, q_scale_seq_stride, k_scale_head_stride,
-                          k_scale_seq_stride, q_chunks, heads_q, heads_kv,
+                          k_scale_seq_stride, q_dot_k_mean_stride, q_chunks, heads_q, heads_kv,
                           QMAX: tl.constexpr, QK_INT8: tl.constexpr, Q_BLOCK: tl.constexpr,
                           K_BLOCK: tl.constexpr, SCALES_BY_SEQUENCE: tl.constexpr, V_TRANSPOSED: tl.constexpr,
-                          V_FMHA_V2_ORDER: tl.constexpr, Q_PADDED_TO_KV: tl.constexpr, TOKENS: tl.constexpr,
-                          HEAD_DIM: tl.constexpr):
+                          V_FMHA_V2_ORDER: tl.constexpr, Q_PADDED_TO_KV: tl.constexpr, Q_DOT_K_MEAN: tl.constexpr,
+                          TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One pass over Q, K, V: programs [0, q_chunks) quantize TOKENS query rows of one head, the rest quantize
     TOKENS key/value rows of one kv head (K smoothed by k_sum / length; V by v_amax / 448).
     Q_PADDED_TO_KV: query rows are written from the sequence's first key row up to its key length, zeros past
-    its queries (:class:`QuantizeTargets`).
+    its queries (:class:`QuantizeTargets`). Q_DOT_K_MEAN: Q programs also store each query row's dot product with
+    its K mean (the mean the K programs subtract).
 
     K_BLOCK 0: one K scale per sequence and head (from the K range statistics), folded into Q's block scales;
     no K scales are stored. V_TRANSPOSED: V goes to the attention kernel's ``[Hkv, D, columns]`` layout (strides
@@ -301,13 +314,17 @@ def _sage_quantize_kernel(q_ptr, k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, 
         # rows past the queries load as 0: the zero padding (and a partial last block's fill)
         q = tl.load(q_ptr + rows * stride_qt + head * stride_qh + dims[None, :], mask=(tokens < length)[:, None],
                     other=0.0).to(tl.float32)
+        kv_head = head // (heads_q // heads_kv)
+        kv_length = tl.load(cu_kv_ptr + seq + 1) - tl.load(cu_kv_ptr + seq)
+        k_stats = (seq * heads_kv + kv_head) * HEAD_DIM + dims
         if K_BLOCK == 0:
-            kv_head = head // (heads_q // heads_kv)
-            kv_length = tl.load(cu_kv_ptr + seq + 1) - tl.load(cu_kv_ptr + seq)
-            k_scale, _ = _sequence_k_scale(k_sum_ptr, k_max_ptr, k_min_ptr, (seq * heads_kv + kv_head) * HEAD_DIM
-                                           + dims, kv_length, QMAX)
+            k_scale, _ = _sequence_k_scale(k_sum_ptr, k_max_ptr, k_min_ptr, k_stats, kv_length, QMAX)
         else:
             k_scale = 1.0
+        if Q_DOT_K_MEAN:
+            k_mean = tl.math.div_rn(tl.load(k_sum_ptr + k_stats), kv_length.to(tl.float32))
+            tl.store(q_dot_k_mean_ptr + (start + tokens).to(tl.int64) * q_dot_k_mean_stride + head,
+                     tl.sum(q * k_mean[None, :], 1), mask=tokens < length)
         _store_token_blocks(q, q_out_ptr, q_scale_ptr, stride_q_out_t, head * stride_q_out_h,
                             _block_scale_offset(seq, out_start, head, q_scale_head_stride, q_scale_seq_stride,
                                                 Q_BLOCK, SCALES_BY_SEQUENCE),
