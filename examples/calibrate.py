@@ -137,6 +137,9 @@ def main(argv=None) -> CalibrationResult:
     parser.add_argument("--kv-step", type=positive_int, default=None,
                         help="keys per online-softmax step whose tiles are decided against the running max at its "
                              "start: 256 for Hopper FMHAv2 SAGE (default: each tile is a step)")
+    parser.add_argument("--reuse-steps", type=int, default=0,
+                        help="calibrate Skip-Softmax reuse (skip_softmax.reuse_steps of the deployment; default 0: "
+                             "without reuse)")
     parser.add_argument("--target-sparsity", type=float, default=None,
                         help="target to suggest in the checkpoint (default: the middle of the observed sparsity)")
     parser.add_argument("--fit-range", type=float, nargs=2, default=(0.10, 0.90))
@@ -156,6 +159,8 @@ def main(argv=None) -> CalibrationResult:
     with user_errors(parser):  # the suggested target and the gate are checked as the checkpoint will check them
         SkipSoftmaxSpec(target_sparsity=args.target_sparsity, disabled_until_timestep=args.gate)
         checked_tiles(tuple(args.tile), args.kv_step)
+    if args.reuse_steps < 0:
+        parser.error(f"--reuse-steps {args.reuse_steps} is invalid: expected an int >= 0")
     if not 0.0 <= args.fit_range[0] < args.fit_range[1] <= 1.0:
         parser.error(f"--fit-range {args.fit_range[0]:g} {args.fit_range[1]:g} is invalid: expected 0 <= low < high "
                      "<= 1")
@@ -175,7 +180,7 @@ def main(argv=None) -> CalibrationResult:
                            num_inference_steps=args.steps, disabled_until_timestep=args.gate,
                            lambdas=np.geomspace(args.lambda_min, args.lambda_max, args.lambda_points),
                            target_sparsity=args.target_sparsity, fit_range=tuple(args.fit_range), seed=args.seed,
-                           tile=tuple(args.tile), kv_step=args.kv_step)
+                           tile=tuple(args.tile), kv_step=args.kv_step, reuse_steps=args.reuse_steps)
     target = args.target_sparsity if args.target_sparsity is not None else suggested_target(result)
     if args.target_sparsity is None and target is not None:
         result = with_suggested_target(result, target)

@@ -206,6 +206,7 @@ def test_trtllm_attn_on_a_cpu_is_refused_before_the_demo_computes_anything(tmp_p
     ("evaluate.py", ["--backend", "bogus"], ["backend='bogus' is invalid"]),
     ("calibrate.py", ["--target-sparsity", "1.5"], ["skip_softmax.target_sparsity=1.5 is invalid"]),
     ("calibrate.py", ["--lambda-min", "0"], ["--lambda-min 0 / --lambda-max 1 are invalid"]),
+    ("calibrate.py", ["--reuse-steps", "-1"], ["--reuse-steps -1 is invalid: expected an int >= 0"]),
     ("demo.py", ["--model", "no-such-model"], ["unknown model 'no-such-model'", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"]),
 ])
 def test_configuration_mistakes_are_refused_in_one_line(clean_environment, capsys, script, argv, fragments):

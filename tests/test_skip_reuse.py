@@ -271,6 +271,18 @@ def test_a_gate_switching_mode_tests_every_tile_again(pipe, spy):
     assert all(any(mode.endswith("+reuse") for mode in modes[s]) for s in range(switch + 1, STEPS))
 
 
+def test_the_probe_reports_each_layers_error_at_the_steps_that_reused(pipe):
+    config = reuse_config(reuse_steps=2)
+    config["default"]["accuracy"] = {"probe_every": 1, "probe_rows": 32}
+    with enable_trtllm_attention(pipe, config) as handle:
+        generate(pipe, steps=3)
+        errors, table = handle.stats.errors(), handle.stats.error_table()
+    layers = {layer for _, layer in errors}
+    assert {step for step, _ in errors} == {0, 1, 2} and len(layers) == 4
+    assert all(0 < error < 0.05 for error in errors.values())
+    assert table.count("TORCH_REFERENCE:skip, TORCH_REFERENCE:skip+reuse") == 4  # every layer, both ways
+
+
 def test_the_guard_takes_reuse_away_first_where_the_probed_step_reused(pipe):
     """A probed step above the bound: a site that reused maps at it loses reuse (the next steps test every tile,
     keeping Skip-Softmax); one that did not loses Skip-Softmax."""
