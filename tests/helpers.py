@@ -112,13 +112,14 @@ class LoopPipeline:
         return latents
 
 
-def run_script_under_triton_interpreter(test_file: str, results_path) -> object:
-    """Run ``test_file`` as a script with ``results_path`` as its argument and load what it saved there. The
+def run_script_under_triton_interpreter(test_file: str, *paths) -> object:
+    """Run ``test_file`` as a script with ``paths`` as its arguments and load what it saved at the last. The
     script's ``__main__`` sets ``TRITON_INTERPRET=1`` before Triton is imported, which a pytest process that
     already imported Triton cannot do."""
-    proc = subprocess.run([sys.executable, test_file, str(results_path)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, test_file, *map(str, paths)], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(results_path, weights_only=False)
+    return torch.load(paths[-1], weights_only=False)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ script. GPU tests (``-m gpu``) run the compiled kernels on CUDA against float32 
 
 import dataclasses
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":
@@ -24,6 +23,8 @@ from diffusers_trtllm.config import TORCH_REFERENCE, AttnQuantSpec
 from diffusers_trtllm.kernels import triton_sage
 from diffusers_trtllm.kernels.numerics import HEAD_DIM
 from diffusers_trtllm.quant import SageSemantics, quantize_sequence
+
+from helpers import run_script_under_triton_interpreter
 
 QK_DTYPES = ("int8", "fp8_e4m3")
 BLOCK_PAIRS = ((1, 1), (1, 16), (4, 16), (16, 4))
@@ -209,11 +210,8 @@ def interpreted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("triton_sage")
     cases = _interpreter_cases()
     torch.save(cases, folder / "cases.pt")
-    proc = subprocess.run([sys.executable, __file__, str(folder / "cases.pt"), str(folder / "results.pt")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {name: (qkv, quant, plan) for name, qkv, quant, plan, _ in cases}, torch.load(folder / "results.pt",
-                                                                                          weights_only=False)
+    results = run_script_under_triton_interpreter(__file__, folder / "cases.pt", folder / "results.pt")
+    return {name: (qkv, quant, plan) for name, qkv, quant, plan, _ in cases}, results
 
 
 @pytest.mark.parametrize("dtype", QK_DTYPES)

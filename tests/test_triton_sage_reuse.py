@@ -11,7 +11,6 @@ CPU: the kernels run under Triton's interpreter in one subprocess, this module b
 import dataclasses
 import math
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__":
@@ -27,6 +26,7 @@ from diffusers_trtllm.kernels import triton_sage
 from diffusers_trtllm.quant import SageSemantics, quantize_p, quantize_sequence
 from test_triton_sage import (QK_DTYPES, _fix_triton_interpreter, _offset_qkv, _positional_qkv, _random_qkv, _rel,
                               _skip_schedules)
+from helpers import run_script_under_triton_interpreter
 
 SCALE = 128 ** -0.5
 TILE = (16, 16)  # many KV tiles per sequence (more than one map word) while the interpreter stays fast
@@ -276,10 +276,7 @@ def interpreted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("triton_sage_reuse")
     cases = _interpreter_cases()
     torch.save(cases, folder / "cases.pt")
-    proc = subprocess.run([sys.executable, __file__, str(folder / "cases.pt"), str(folder / "results.pt")],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return cases, torch.load(folder / "results.pt", weights_only=False)
+    return cases, run_script_under_triton_interpreter(__file__, folder / "cases.pt", folder / "results.pt")
 
 
 def _reference_lse(qkv, quant, skip_factor, sample, tile, with_quant=True):
