@@ -64,26 +64,34 @@ BINDING_SOURCE = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_sage.cu"
 
 @dataclasses.dataclass(frozen=True)
 class SageKernel:
-    """One generated kernel: its K scale block, keys per KV step, whether it has the Skip-Softmax code path, and
-    whether it writes each row's softmax statistics (FMHAv2's ``RETURN_SOFTMAX_STATS``: the log-sum-exp)."""
+    """One generated kernel: its K scale block, keys per KV step, whether it has the Skip-Softmax code path,
+    whether it writes each row's softmax statistics (FMHAv2's ``RETURN_SOFTMAX_STATS``: the log-sum-exp), and
+    whether it reuses a tile map (``tile_map_reuse.patch``: compiled with ``DIFFUSERS_TRTLLM_TILE_MAP``)."""
 
     k_block: int
     kv_step: int
     skip_softmax: bool
     lse: bool = False
+    reuse: bool = False
 
 
 # KV step of the kernels that write softmax statistics: the one TRTLLM_ATTN runs (128-key steps serve benchmarks)
 LSE_KV_STEP = 256
 
 
+# The one tile-map kernel (K block, KV step): the route's defaults, two 128-key tiles per step (JIT time stays down)
+REUSE_K_BLOCK, REUSE_KV_STEP = 0, 256
+
+
 def sage_kernels() -> tuple[SageKernel, ...]:
     """Every kernel the module builds: each compiled K block and KV step, with and without Skip-Softmax (K block
-    128 at KV step 256 only: it exists for the block-size sweep), and at :data:`LSE_KV_STEP` each of those again
-    writing the softmax statistics (a separate kernel: the others stay as they were)."""
+    128 at KV step 256 only: it exists for the block-size sweep), at :data:`LSE_KV_STEP` each of those again
+    writing the softmax statistics (a separate kernel: the others stay as they were), and the Skip-Softmax
+    kernel at :data:`REUSE_K_BLOCK` / :data:`REUSE_KV_STEP` again reusing a tile map."""
     plain = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
                   for skip in (False, True) if not (k_block == 128 and kv_step != 256))
-    return plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
+    return (plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
+            + (SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, True, reuse=True),))
 
 
 SKIP_TILE = (Q_BLOCK, 128)  # (query rows, keys) per skip decision: one warpgroup's rows, half a 256-key step
@@ -129,7 +137,7 @@ def padding_mask_only(code: str) -> str:
 
 # FMHAv2 header patches, applied in this order at build time (csrc/fmha_v2_patches/<name>.patch; each file says
 # what it changes and why).
-HEADER_PATCHES = ("v_layout", "half_step_skip", "v_scale_epilogue", "mutex_turn", "skip_counts")
+HEADER_PATCHES = ("v_layout", "half_step_skip", "v_scale_epilogue", "mutex_turn", "skip_counts", "tile_map_reuse")
 PATCH_FOLDER = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_patches"
 _HUNK_HEADER = re.compile(r"@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
@@ -192,22 +200,40 @@ def patched_headers(patch_files: tuple[pathlib.Path, ...] | None = None) -> dict
     return headers
 
 
-def kernel_sources() -> dict[str, str]:
-    """File name -> CUDA source of every generated kernel, ``sage_kernels.h`` (the launchers' declarations and
-    ``launch_sage_kernel``, which dispatches on q block, k block, KV step, skip-softmax and softmax statistics)
-    and the patched FMHAv2
-    headers (:func:`patched_headers`)."""
-    from flashinfer.jit.attention.fmha_v2.fmha_library import get_kernel_code
+# A tile-map kernel's names (file, launcher, kernel): FlashInfer's for its spec with this after "skipSoftmax"
+TILE_MAP_NAME = "_tileMap"
+
+
+def kernel_names(kernel: SageKernel) -> tuple[str, str, str]:
+    """(source file, launcher, kernel) names of ``kernel``: FlashInfer's for its spec, :data:`TILE_MAP_NAME`
+    added to a tile-map kernel's (its spec is the plain Skip-Softmax kernel's)."""
     from flashinfer.jit.attention.fmha_v2.utils import encode_name
+
+    names = encode_name(kernel_spec(kernel))
+    if not kernel.reuse:
+        return names
+    if any(name.count("skipSoftmax") != 1 for name in names):
+        raise RuntimeError(f"FlashInfer's FMHAv2 kernel names changed: expected 'skipSoftmax' once in {names}")
+    return tuple(name.replace("skipSoftmax", "skipSoftmax" + TILE_MAP_NAME) for name in names)
+
+
+def kernel_sources() -> dict[str, str]:
+    """File name -> CUDA source of every generated kernel (a tile-map kernel's defines
+    ``DIFFUSERS_TRTLLM_TILE_MAP`` ahead of FMHAv2's headers), ``sage_kernels.h`` (the launchers' declarations
+    and ``launch_sage_kernel``, which dispatches on q block, k block, KV step, skip-softmax, softmax statistics
+    and tile map) and the patched FMHAv2 headers (:func:`patched_headers`)."""
+    from flashinfer.jit.attention.fmha_v2.fmha_library import get_kernel_code
 
     sources, declarations, branches = {}, [], []
     for kernel in sage_kernels():
-        spec = kernel_spec(kernel)
-        file_name, launcher, kernel_name = encode_name(spec)
-        sources[file_name] = padding_mask_only(get_kernel_code(spec, kernel_name, launcher))
+        file_name, launcher, kernel_name = kernel_names(kernel)
+        code = padding_mask_only(get_kernel_code(kernel_spec(kernel), kernel_name, launcher))
+        sources[file_name] = ("#define DIFFUSERS_TRTLLM_TILE_MAP 1  // tile_map_reuse.patch\n" + code
+                              if kernel.reuse else code)
         declarations.append(f"void {launcher}(Params& params, const Launch_params& launch, cudaStream_t stream);")
         branches.append(f"  if (q_block == {Q_BLOCK} && k_block == {kernel.k_block} && kv_step == {kernel.kv_step} "
-                        f"&& skip == {str(kernel.skip_softmax).lower()} && lse == {str(kernel.lse).lower()}) {{\n"
+                        f"&& skip == {str(kernel.skip_softmax).lower()} && lse == {str(kernel.lse).lower()} "
+                        f"&& tile_map == {str(kernel.reuse).lower()}) {{\n"
                         f"    {launcher}(params, launch, stream);\n    return true;\n  }}")
     sources["sage_kernels.h"] = "\n".join([
         "// Generated by diffusers_trtllm/kernels/fmha_v2_sage.py.",
@@ -216,8 +242,8 @@ def kernel_sources() -> dict[str, str]:
         "using Params = bert::Fused_multihead_attention_params_v2;",
         "using Launch_params = bert::Fused_multihead_attention_launch_params;",
         *declarations,
-        "inline bool launch_sage_kernel(int q_block, int k_block, int kv_step, bool skip, bool lse, Params& params,",
-        "                               const Launch_params& launch, cudaStream_t stream) {",
+        "inline bool launch_sage_kernel(int q_block, int k_block, int kv_step, bool skip, bool lse, bool tile_map,",
+        "                               Params& params, const Launch_params& launch, cudaStream_t stream) {",
         *branches,
         "  return false;",
         "}",
