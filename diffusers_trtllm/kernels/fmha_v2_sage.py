@@ -385,12 +385,15 @@ def skip_tiles(seqlens: tuple[int, ...], heads_q: int) -> int:
 def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens: tuple[int, ...], heads_q: int,
                           scale: float, skip_factor: float = 0.0, kv_step: int = 256,
                           skip_counts: torch.Tensor | None = None,
-                          softmax_stats: torch.Tensor | None = None) -> torch.Tensor:
+                          softmax_stats: torch.Tensor | None = None,
+                          tile_map: torch.Tensor | None = None) -> torch.Tensor:
     """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output, ``cu_seqlens`` / ``seqlens`` its key
     lengths. Returns ``[T, Hq, 128]`` bf16 at the keys' layout (the rows of zero queries included) with V's
     per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i);
-    ``skip_counts`` (:func:`fmha_v2_sage_attention`) receives its skipped tiles; ``softmax_stats`` (``[T, Hq, 2]``
-    float32, at :data:`LSE_KV_STEP`) each row's statistics (:func:`~.flashinfer_calls.fmha_v2_stats_lse`)."""
+    ``skip_counts`` (an int32 ``[1]`` view, :func:`fmha_v2_sage_attention`) receives the tiles its test skipped;
+    ``softmax_stats`` (``[T, Hq, 2]`` float32, at :data:`LSE_KV_STEP`) each row's statistics
+    (:func:`~.flashinfer_calls.fmha_v2_stats_lse`); ``tile_map`` (:func:`fmha_v2_sage_attention`, checked there)
+    runs the tile-map kernel, which reads a copy of it taken here and updates it in place."""
     device = packed.qk.device
     heads_kv = packed.qk.shape[1] - heads_q
     out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -399,10 +402,15 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
         skip_counts = torch.empty(0, dtype=torch.int32, device=device)  # empty: the kernel counts nothing
     if softmax_stats is None:
         softmax_stats = torch.empty(0, dtype=torch.float32, device=device)  # empty: the kernel without statistics
+    # The kernel decides from the map as it was on entry while it ORs skipped tiles into the map: a warpgroup
+    # running ahead must not change the words its partner and the DMA warp still read. Empty: no map.
+    tile_map_entry = torch.empty(0, dtype=torch.int32, device=device) if tile_map is None else tile_map.clone()
+    tile_map = tile_map_entry if tile_map is None else tile_map
     # the kernel reads V's scales per query head
     v_scale = packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1) if heads_q != heads_kv else packed.v_scale
     load_module().sage_attention(packed.qk, packed.v_t, packed.v_starts, out, packed.q_scale, packed.k_scale,
-                                 v_scale, cu_seqlens, tile_counter, skip_counts, softmax_stats, heads_q, heads_kv,
+                                 v_scale, cu_seqlens, tile_counter, skip_counts, softmax_stats, tile_map_entry,
+                                 tile_map, heads_q, heads_kv,
                                  max(seqlens),
                                  Q_BLOCK, packed.k_block, kv_step, float(scale), float(skip_factor))
     return out
@@ -412,7 +420,8 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            seqlens: tuple[int, ...], scale: float, *, cu_seqlens_q: torch.Tensor | None = None,
                            seqlens_q: tuple[int, ...] | None = None, k_block: int = 64, kv_step: int = 256,
                            skip_factor: float = 0.0, skip_counts: torch.Tensor | None = None,
-                           return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                           return_lse: bool = False,
+                           tile_map: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SAGE attention (FP8 e4m3 Q/K/V, per-block Q/K scales, per-channel V) with optional Skip-Softmax on
     Hopper through TRT-LLM FMHAv2's warp-specialized kernel; quantization included.
 
@@ -427,9 +436,22 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     visits; no host read. Returns ``[Tq, Hq, 128]`` bf16 (one sequence: a view of the kernel's output; several
     with fewer queries: one gather of their rows). ``return_lse`` (``kv_step`` :data:`LSE_KV_STEP`): returns
     ``(out, lse)``, ``lse`` ``[Tq, Hq]`` float32, each row's natural log-sum-exp of its scaled scores over the keys
-    it kept, with the smoothing's shift ``scale · q · mean(K)`` (K's mean over its sequence) added back. GPUs: sm_90 (H100/H200); the first call on a machine compiles
-    the kernels (see :func:`load_module`).
+    it kept, with the smoothing's shift ``scale · q · mean(K)`` (K's mean over its sequence) added back.
+
+    ``tile_map``: Skip-Softmax reuse, int32 ``[B, Hq, ceil(max(seqlens_q) / 64), ceil(ceil(max(seqlens) / 128) /
+    32)]`` contiguous on the tensors' device (:func:`tile_map_shape`): bit ``j % 32`` of word ``[b, h, i, j //
+    32]`` set = KV tile ``j`` (keys ``[128 j, 128 j + 128)``) skipped for query tile ``i`` (rows ``[64 i, 64 i +
+    64)``) of head ``h`` of sequence ``b``; bits past a sequence's tiles 0. The kernel skips the set tiles untested
+    (no Q·Kᵀ where a whole 256-key step is set for both warpgroups' query tiles, no load either; a set half of a
+    computed step enters neither the running max nor the sum, its exps and P·V left out), tests the others as
+    without a map, and sets the bits of the tiles its test skipped (updated in place; zero the map for a step
+    that tests every tile). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step`` :data:`REUSE_KV_STEP`, no
+    ``return_lse``; ``skip_factor`` 0 skips the map's tiles only. ``skip_counts`` is then int32 ``[2]``: (tiles the
+    test skipped, tiles reused: the bits set on entry). GPUs: sm_90 (H100/H200); the first call on a machine
+    compiles the kernels (see :func:`load_module`).
     """
+    if tile_map is not None:
+        _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse)
     if not any(k.k_block == k_block and k.kv_step == kv_step and k.lse == return_lse for k in sage_kernels()):
         raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r}{' and return_lse' if return_lse else ''} "
                          "has no compiled FMHAv2 SAGE kernel; compiled (k_block, kv_step, return_lse): "
@@ -438,9 +460,11 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         raise ValueError("cu_seqlens_q and seqlens_q come together (fewer queries than keys) or not at all "
                          f"(self-attention); got cu_seqlens_q={'None' if cu_seqlens_q is None else 'a tensor'}, "
                          f"seqlens_q={seqlens_q!r}")
-    if skip_counts is not None and not (skip_counts.shape == (1,) and skip_counts.dtype == torch.int32
+    counts = 1 if tile_map is None else 2
+    if skip_counts is not None and not (skip_counts.shape == (counts,) and skip_counts.dtype == torch.int32
                                         and skip_counts.device == q.device):
-        raise ValueError(f"skip_counts must be an int32 [1] tensor on {q.device}; got "
+        raise ValueError(f"skip_counts must be an int32 [{counts}] tensor on {q.device}"
+                         f"{' (with a tile map: tested, reused)' if tile_map is not None else ''}; got "
                          f"{skip_counts.dtype} {tuple(skip_counts.shape)} on {skip_counts.device}")
     seqlens_q = tuple(seqlens) if seqlens_q is None else tuple(seqlens_q)
     if len(seqlens_q) != len(seqlens) or any(n_q > n_kv for n_q, n_kv in zip(seqlens_q, seqlens)):
@@ -451,14 +475,47 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block,
                                   cu_seqlens_q if padded else None, max(seqlens_q) if padded else None)
     stats = torch.empty(k.shape[0], q.shape[1], 2, dtype=torch.float32, device=q.device) if return_lse else None
-    out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step, skip_counts,
-                                stats)
+    if skip_counts is not None and tile_map is not None:
+        skip_counts[1:].add_(set_bits(tile_map).to(torch.int32))  # reused: the bits set on entry
+    out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step,
+                                None if skip_counts is None else skip_counts[:1], stats, tile_map)
     out = drop_padded_queries(out, seqlens_q, tuple(seqlens)) if padded else out
     if not return_lse:
         return out
     lse = fmha_v2_stats_lse(stats, scale, HEAD_DIM)
     lse = drop_padded_queries(lse, seqlens_q, tuple(seqlens)) if padded else lse
     return out, lse + smoothing_shift(q, k, seqlens_q, seqlens, scale)
+
+
+def tile_map_shape(seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], heads_q: int) -> tuple[int, ...]:
+    """``[B, Hq, query tiles, words]`` of the tile map of a batch with these lengths (host ints): one bit per
+    :data:`SKIP_TILE` tile, 32 to an int32 word."""
+    rows, keys = SKIP_TILE
+    return len(seqlens_q), heads_q, -(-max(seqlens_q) // rows), -(-(-(-max(seqlens_kv) // keys)) // 32)
+
+
+def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int, ...],
+                    seqlens_q: tuple[int, ...] | None, k_block: int, kv_step: int, return_lse: bool) -> None:
+    """Raise ValueError unless ``tile_map`` fits :func:`fmha_v2_sage_attention`'s call (its docstring)."""
+    shape = tile_map_shape(tuple(seqlens if seqlens_q is None else seqlens_q), tuple(seqlens), q.shape[1])
+    if tile_map.dtype != torch.int32 or tuple(tile_map.shape) != shape or not tile_map.is_contiguous():
+        raise ValueError(f"tile_map must be a contiguous int32 {list(shape)} tensor (batch, query heads, 64-row "
+                         f"query tiles, 32-tile words); got {'a contiguous' if tile_map.is_contiguous() else 'a'} "
+                         f"{tile_map.dtype} {list(tile_map.shape)}")
+    if tile_map.device != q.device:
+        raise ValueError(f"tile_map must be on {q.device}, the tensors' device; got {tile_map.device}")
+    if (k_block, kv_step) != (REUSE_K_BLOCK, REUSE_KV_STEP) or return_lse:
+        raise ValueError(f"a tile map runs on the kernel with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} "
+                         f"and no return_lse; got k_block={k_block}, kv_step={kv_step}, return_lse={return_lse}")
+
+
+def set_bits(words: torch.Tensor) -> torch.Tensor:
+    """0-dim int64: the bits set in int32 ``words`` (any shape), on their device without a host read."""
+    x = words.to(torch.int64) & 0xFFFFFFFF
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24 & 0xFF).sum()
 
 
 def smoothing_shift(q: torch.Tensor, k: torch.Tensor, seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...],
