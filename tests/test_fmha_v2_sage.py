@@ -73,7 +73,7 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
     hunks = [hunk for patch in fmha_v2_sage.header_patch_files() for hunk in fmha_v2_sage.read_patch(patch)]
-    assert len(hunks) == 27
+    assert len(hunks) == 45
     for path, old, new in hunks:
         assert sources[path].count(new) == 1 and (old in new or old not in sources[path])
     assert "DMA_GROUP_TRANSPOSE_V = 0" in sources["fmha/warpspec/kernel_traits.h"]
@@ -129,7 +129,7 @@ def test_patch_files_produce_the_recorded_headers():
     for path in sorted(headers):
         digest.update(path.encode() + b"\0" + headers[path].encode() + b"\0")
     assert sorted(headers) == ["fmha/warpspec/compute.h", "fmha/warpspec/dma.h", "fmha/warpspec/epilogue.h",
-                               "fmha/warpspec/kernel_traits.h"]
+                               "fmha/warpspec/kernel_traits.h", "fused_multihead_attention.h"]
     assert digest.hexdigest() == PATCHED_HEADERS_SHA256[flashinfer.__version__]
 
 
@@ -194,9 +194,10 @@ def test_binding_arguments_match_the_python_call(monkeypatch):
     out = fmha_v2_sage.sage_attention_packed(packed, cu, (100, 200), heads_q, SCALE, 5.0, 256)
     got = ["tensor" if isinstance(a, torch.Tensor) else "int" if isinstance(a, int) else "float" for a in seen]
     assert got == kinds
-    assert seen[11:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
+    assert seen[13:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
     assert seen[9].dtype == torch.int32 and seen[9].shape == (0,)  # no counts asked: the kernel gets none
     assert seen[10].dtype == torch.float32 and seen[10].shape == (0,)  # no statistics asked: the plain kernel
+    assert all(m.dtype == torch.int32 and m.shape == (0,) for m in seen[11:13])  # no map: the kernel without one
     # V's per-channel scales go to the kernel's epilogue per query head (GQA: each KV head's repeated)
     v_scale = seen[6]
     assert v_scale.shape == (batch, heads_q, 128) and v_scale.is_contiguous()

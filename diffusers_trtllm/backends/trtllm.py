@@ -75,7 +75,7 @@ from ..kernels.numerics import HEAD_DIM, P_SCALE, head_dim_mismatch
 from ..platform import flashinfer_version, gpu_arch, version_tuple
 from ..quant import SageSemantics
 from .base import (ROUTE_KERNEL_SEPARATOR, KernelPlan, KernelResult, VarlenQKV, dense_kernel_of,
-                   more_queries_than_keys, register_backend)
+                   more_queries_than_keys, register_backend, tile_map_for)
 from .sdpa import SDPA_BACKEND
 
 __all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "lse_unavailable_reason",
@@ -264,12 +264,28 @@ def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, more_queries_th
             "unset for the fastest")
 
 
+#: What runs Skip-Softmax reuse, for the reason a plan that cannot gives
+REUSE_KERNELS = ("Skip-Softmax reuse (skip_softmax.reuse_steps) runs on TRTLLM_ATTN's FMHAv2 SAGE kernel only "
+                 "(sm_90, fp8_e4m3, Q block 64, the default K block, Skip-Softmax on, no log-sum-exp) and on "
+                 "TORCH_REFERENCE; set skip_softmax.reuse_steps 0 to run")
+
+
 def reuse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-    """Why no TRTLLM_ATTN kernel can reuse Skip-Softmax tile maps for ``plan`` on ``qkv``, or None."""
+    """Why no TRTLLM_ATTN kernel can reuse Skip-Softmax tile maps for ``plan`` on ``qkv``, or None: the FMHAv2
+    SAGE route reuses them (:func:`_run_hopper_sage`) at its default K block with Skip-Softmax on and no
+    log-sum-exp; the Triton SAGE route, the bf16 kernels and Blackwell's have no reuse."""
     if not plan.reuse:
         return None
-    return ("Skip-Softmax reuse (skip_softmax.reuse_steps) has no TRTLLM_ATTN kernel yet (it runs on "
-            "TORCH_REFERENCE); set skip_softmax.reuse_steps 0")
+    quant = plan.quant
+    if gpu_arch(qkv.q.device) not in FMHA_V2_ARCHS or quant is None or not plan.skips:
+        what = "a dense plan" if not plan.skips else "a bf16 plan" if quant is None else "this GPU's SAGE kernel"
+        return f"{REUSE_KERNELS} ({what} has no reuse)"
+    if _hopper_sage_kernel(quant, qkv.more_queries_than_keys) != "fmha_v2":
+        return f"{REUSE_KERNELS} (this plan runs the Triton SAGE kernel: no reuse)"
+    if quant.k_block_size not in (None, fmha_v2_sage.REUSE_K_BLOCK) or plan.return_lse:
+        what = f"K block {quant.k_block_size}" if quant.k_block_size else "the log-sum-exp"
+        return f"{REUSE_KERNELS} (this plan asks for {what})"
+    return None
 
 
 def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
@@ -339,16 +355,23 @@ def lse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile)
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
-        counting = plan.count_skips and plan.skips
-        skipped = torch.zeros(1, dtype=torch.int32, device=qkv.q.device) if counting else None
+        # with reuse the kernel always counts: the result reports the tiles skipped by the test and by reuse
+        tile_map = tile_map_for(plan, qkv, fmha_v2_sage.SKIP_TILE)
+        counting = (plan.count_skips and plan.skips) or tile_map is not None
+        skipped = (torch.zeros(1 if tile_map is None else 2, dtype=torch.int32, device=qkv.q.device)
+                   if counting else None)
         result = fmha_v2_sage.fmha_v2_sage_attention(
             qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), tuple(qkv.seqlens_kv), plan.scale,
             cu_seqlens_q=qkv.cu_seqlens("q"), seqlens_q=tuple(qkv.seqlens_q), k_block=semantics.k_block,
-            kv_step=semantics.kv_step, skip_factor=plan.skip_factor, skip_counts=skipped, return_lse=plan.return_lse)
+            kv_step=semantics.kv_step, skip_factor=plan.skip_factor, skip_counts=skipped, return_lse=plan.return_lse,
+            tile_map=tile_map)
         out, lse = result if plan.return_lse else (result, None)
         if not counting:
             return KernelResult(out, lse=lse)
-        return KernelResult(out, skipped[0], fmha_v2_sage.skip_tiles(tuple(qkv.seqlens_kv), qkv.q.shape[1]), lse)
+        total = fmha_v2_sage.skip_tiles(tuple(qkv.seqlens_kv), qkv.q.shape[1])
+        if tile_map is None:
+            return KernelResult(out, skipped[0], total, lse)
+        return KernelResult(out, skipped[0], total, lse, tile_map, skipped[1])
     out, skipped, total = triton_sage.triton_sage_attention(
         qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("q"), qkv.cu_seqlens("kv"), tuple(qkv.seqlens_q),
         tuple(qkv.seqlens_kv), plan.scale, dtype_qk=semantics.dtype_qk, q_block=semantics.q_block,
