@@ -1,7 +1,7 @@
-"""Skip decisions reused across steps (issue 47): the plumbing that exists so far, on the CPU.
+"""Skip decisions reused across steps (issue 47): the plumbing, on the CPU.
 
-The FMHAv2 SAGE kernel variant that reads and updates ``KernelPlan.tile_map`` is not built yet: TRTLLM_ATTN refuses a
-plan with a map, naming what runs instead, and the benchmark's arguments are checked without a GPU.
+TRTLLM_ATTN runs a plan with a map on its FMHAv2 SAGE kernel only (tests/test_fmha_v2_reuse.py); any other plan
+is refused, naming what runs reuse. The benchmark's arguments are checked without a GPU.
 """
 
 import subprocess
@@ -16,11 +16,11 @@ from diffusers_trtllm.errors import BackendUnavailableError
 from helpers import load_script
 
 
-def test_a_plan_with_a_tile_map_is_refused_until_a_kernel_reuses_it(monkeypatch):
+def test_a_bf16_plan_with_a_tile_map_is_refused_naming_what_reuses_maps(monkeypatch):
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
     qkv = VarlenQKV(*(torch.zeros(256, 2, 128, dtype=torch.bfloat16) for _ in range(3)), (256,), (256,))
     plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, reuse=True)
-    assert "has no TRTLLM_ATTN kernel yet" in trtllm.unavailable_reason(plan, qkv)
+    assert "FMHAv2 SAGE kernel only" in trtllm.unavailable_reason(plan, qkv)
     with pytest.raises(BackendUnavailableError, match="reuse_steps"):
         trtllm.run(qkv, plan)
     assert KernelResult(torch.zeros(1)).reused_tiles is None
