@@ -310,3 +310,30 @@ def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
     assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(fmha_v2_sage.set_bits(entry)) > 0
     assert torch.equal(kernel.tile_map, entry) and torch.equal(ref.tile_map, entry)
     assert torch.isfinite(kernel.out).all() and _rel(kernel.out, ref.out) < 5e-3
+
+
+# ---------------------------------------------------------------- CPU: the static report's SASS figures
+
+SASS = """
+        /*0000*/                   LDG.E.CONSTANT R4, desc[UR36][R4.64] ;
+        /*0010*/              @!P0 BRA 0x0070 ;
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR46+0x34020], R4 ;
+        /*0030*/                   UTMALDG.3D [UR24], [UR16] ;
+        /*0040*/                   UTMALDG.3D [UR16], [UR24] ;
+        /*0050*/                   LDL R2, [R1+0x8] ;
+        /*0070*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0080*/              @P1 BRA 0x0000 ;
+"""
+
+
+def test_the_static_report_finds_a_dma_loop_that_leaves_its_loads_out():
+    from helpers import load_script
+
+    static = load_script("benchmarks/sage_kernel_static.py")
+    figures = static.loop_report(SASS)
+    assert figures["dma_ldg"] == 1 and figures["dma_tma"] == 2 and figures["dma_skips_tma"]
+    # a branch behind the buffer wait (an elected thread's) is no skipped step
+    behind = SASS.replace("@!P0 BRA 0x0070 ;", "NOP ;").replace("LDL R2, [R1+0x8] ;", "@!P0 BRA 0x0070 ;")
+    assert not static.loop_report(behind)["dma_skips_tma"]
+    assert static.same_code(SASS, SASS.replace("0x0070", "0x0080").replace("/*0010*/", "/*0020*/"))
+    assert not static.same_code(SASS, SASS.replace("R2, [R1+0x8]", "R3, [R1+0x8]"))

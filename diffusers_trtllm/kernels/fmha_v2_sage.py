@@ -19,7 +19,11 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
 - Skip-Softmax in the same kernel: each warpgroup (64 query rows) skips 128 keys (:data:`SKIP_TILE`) when every
   row's ``exp(tile_max - running_max) < skip_factor / kv_len``, with ``running_max`` the one at the start of the
   KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart
-  (``half_step_skip.patch``), or 128); the first KV step is never skipped.
+  (``half_step_skip.patch``), or 128); the first KV step is never skipped;
+- Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in a separate
+  kernel (``tile_map_reuse.patch``): the map's tiles are skipped untested, without their K/V loads where both
+  warpgroups of a CTA reuse a whole 256-key step, the others tested as above, and the tiles the test skipped are
+  added to the map.
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
 every sequence with as many queries as keys, and V already transposed (``v_layout.patch``). A sequence with fewer
