@@ -7,12 +7,17 @@ registers at launch (the compute warpgroups raise theirs with ``setmaxnreg``), t
 and notes C7519 ("warpgroup.arrive is injected ... to allow use of registers in GMMA": a GMMA waited on before
 its registers are reused) and C7511 ("insufficient register resources for the wgmma pipeline": GMMAs serialized).
 With ``--sass DIR`` each kernel's SASS goes to ``DIR/<kernel>.sass`` (needs ``cuobjdump`` and ``nvdisasm`` on
-``PATH``), where a spill (``LDL``/``STL``) can be placed against the main loop's ``QGMMA`` instructions.
+``PATH``), where a spill (``LDL``/``STL``) can be placed against the main loop's ``QGMMA`` instructions, and the
+table gains the loops' figures (:func:`loop_report`): the spill instructions of the compute warpgroups' KV loop,
+and in the DMA warp's KV loop the global loads and whether a branch leaves out all its TMA loads (the tile-map
+kernel's step predicate, ``tile_map_reuse.patch``). ``--compare OLD_DIR`` says per kernel whether its SASS equals
+the one in ``OLD_DIR`` (a ``--sass`` folder of another build, e.g. before a patch) up to code addresses.
 
 Needs nvcc (CUDA 12.8 or newer) and the cuBLAS headers, which FMHAv2's headers include: ``pip download
 nvidia-cublas``, unzip its ``include`` folder and put it on ``CPATH``. Timing still needs the GPU.
 
     CPATH=.../nvidia/cu13/include python benchmarks/sage_kernel_static.py [--sass sass/] [--kernels skipSoftmax]
+        [--compare old_sass/]
 """
 
 import argparse
@@ -31,6 +36,49 @@ NOTE = re.compile(r"\((C75\d\d)\)")
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 REGISTERS = re.compile(r"Used (\d+) registers")
 KERNEL_SOURCE = re.compile(r"(fmha_v2_flash_attention_\w+)\.cu\b")
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+BRANCH = re.compile(r"\bBRA(?:\.U)?\s+(?:\S+,\s+)?0x([0-9a-f]+)\b")
+ADDRESSES = re.compile(r"/\*[0-9a-f]{4,}\*/|/\* 0x[0-9a-f]{16} \*/|0x[0-9a-f]+")
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction) of every SASS line of ``cuobjdump -sass``'s output."""
+    return [(int(m.group(1), 16), m.group(2)) for m in INSTRUCTION.finditer(sass)]
+
+
+def loops(code: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """The bodies of the backward branches' loops, innermost (shortest) first; branches into the out-of-line
+    retry blocks at the function's end jump back to a loop's middle and are not loops, so a loop is kept only
+    if no shorter loop shares its end."""
+    found = []
+    for address, op in code:
+        target = BRANCH.search(op)
+        if target and int(target.group(1), 16) < address and ".DIV" not in op:
+            found.append([(a, o) for a, o in code if int(target.group(1), 16) <= a <= address])
+    return sorted(found, key=len)
+
+
+def loop_report(sass: str) -> dict:
+    """Figures of the compute warpgroups' KV loop (the innermost loop with GMMAs) and of the DMA warp's (the
+    innermost with TMA loads and no GMMA): spill instructions in the first; global loads in the second, and
+    whether a branch ahead of its first barrier wait (for a free K/V buffer) jumps past all its TMA loads within
+    the loop (a step left unloaded)."""
+    body = loops(instructions(sass))
+    compute = next((b for b in body if any("QGMMA" in o for _, o in b)), [])
+    dma = next((b for b in body if any("UTMALDG" in o for _, o in b) and not any("QGMMA" in o for _, o in b)), [])
+    loads = [a for a, o in dma if "UTMALDG" in o]
+    first_wait = next((a for a, o in dma if "SYNCS.PHASECHK" in o), 0)
+    skips = any((t := BRANCH.search(o)) and a < first_wait and loads[-1] < int(t.group(1), 16) <= dma[-1][0]
+                for a, o in dma) if loads else False
+    return dict(loop_qgmma=sum("QGMMA" in o for _, o in compute),
+                loop_spills=sum(bool(re.search(r"\b(?:LDL|STL)\b", o)) for _, o in compute),
+                dma_ldg=sum(bool(re.search(r"\bLDG\b", o)) for _, o in dma), dma_tma=len(loads),
+                dma_skips_tma=skips)
+
+
+def same_code(sass: str, other: str) -> bool:
+    """Whether two SASS listings hold the same instructions, code addresses and encodings aside."""
+    return ADDRESSES.sub("", sass).split() == ADDRESSES.sub("", other).split()
 
 
 def compile_commands(spec) -> list[tuple[str, list[str]]]:
@@ -52,8 +100,10 @@ def compile_commands(spec) -> list[tuple[str, list[str]]]:
     return commands
 
 
-def report(kernel: str, argv: list[str], sass_dir: pathlib.Path | None) -> dict:
-    """Compile one kernel; its ptxas figures (and SASS into ``sass_dir``)."""
+def report(kernel: str, argv: list[str], sass_dir: pathlib.Path | None,
+           compare: pathlib.Path | None = None) -> dict:
+    """Compile one kernel; its ptxas figures (and SASS into ``sass_dir`` with :func:`loop_report`'s figures,
+    and whether it equals ``compare``'s SASS of the same kernel)."""
     run = subprocess.run(argv, capture_output=True, text=True)
     if run.returncode:
         raise RuntimeError(f"{kernel}: nvcc failed:\n{run.stderr[-3000:]}")
@@ -66,6 +116,10 @@ def report(kernel: str, argv: list[str], sass_dir: pathlib.Path | None) -> dict:
         sass = subprocess.run(["cuobjdump", "-sass", obj], check=True, capture_output=True, text=True).stdout
         (sass_dir / f"{kernel}.sass").write_text(sass)
         row["qgmma"], row["spill_instructions"] = sass.count("QGMMA"), len(re.findall(r"\b(?:LDL|STL)\b", sass))
+        row.update(loop_report(sass))
+        if compare is not None:
+            old = compare / f"{kernel}.sass"
+            row["same_sass"] = same_code(sass, old.read_text()) if old.exists() else "absent"
     return row
 
 
@@ -73,7 +127,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", type=pathlib.Path, help="write each kernel's SASS into this folder")
     parser.add_argument("--kernels", default="", help="only kernels whose name contains this text")
+    parser.add_argument("--compare", type=pathlib.Path,
+                        help="with --sass: compare each kernel's SASS with this folder's (another build's --sass)")
     args = parser.parse_args()
+    if args.compare and not args.sass:
+        parser.error("--compare needs --sass")
     missing = [tool for tool in ("nvcc", "ninja") + (("cuobjdump", "nvdisasm") if args.sass else ())
                if shutil.which(tool) is None]
     if missing:
@@ -92,10 +150,11 @@ def main() -> None:
         args.sass.mkdir(parents=True, exist_ok=True)
     jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
     with ThreadPoolExecutor(jobs) as pool:
-        rows = list(tqdm(pool.map(lambda c: report(*c, args.sass), commands), total=len(commands),
+        rows = list(tqdm(pool.map(lambda c: report(*c, args.sass, args.compare), commands), total=len(commands),
                          desc="nvcc sm_90a", unit="kernel"))
     columns = ["kernel", "registers", "spill_stores", "spill_loads", "notes"] + (
-        ["qgmma", "spill_instructions"] if args.sass else [])
+        ["qgmma", "spill_instructions", "loop_qgmma", "loop_spills", "dma_ldg", "dma_tma", "dma_skips_tma"]
+        if args.sass else []) + (["same_sass"] if args.compare else [])
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for row in sorted(rows, key=lambda r: r["kernel"]):
         print("| " + " | ".join(str(row[c]) for c in columns) + " |")

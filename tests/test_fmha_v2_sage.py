@@ -72,10 +72,15 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
-    hunks = [hunk for patch in fmha_v2_sage.header_patch_files() for hunk in fmha_v2_sage.read_patch(patch)]
-    assert len(hunks) == 27
-    for path, old, new in hunks:
-        assert sources[path].count(new) == 1 and (old in new or old not in sources[path])
+    patches = fmha_v2_sage.header_patch_files()
+    assert sum(len(fmha_v2_sage.read_patch(patch)) for patch in patches) == 46
+    # each hunk's text is in the headers once its patch is applied (a later patch may rewrite it: the tile-map
+    # patch rewrites lines of the skip patches), and the build reads the headers with every patch applied
+    for applied in range(1, len(patches) + 1):
+        headers = fmha_v2_sage.patched_headers(patches[:applied])
+        for path, old, new in fmha_v2_sage.read_patch(patches[applied - 1]):
+            assert headers[path].count(new) == 1 and (old in new or old not in headers[path])
+    assert all(sources[path] == text for path, text in headers.items())
     assert "DMA_GROUP_TRANSPOSE_V = 0" in sources["fmha/warpspec/kernel_traits.h"]
     # half-step skips: both halves voted, the exps and the BMM2 K group of a skipped half left out
     epilogue, compute = sources["fmha/warpspec/epilogue.h"], sources["fmha/warpspec/compute.h"]
@@ -91,13 +96,15 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     assert (f"{turn} = ENABLE_MUTEX && Kernel_traits::STEP_KV == 256 &&\n"
             "         !Kernel_traits::ENABLE_SKIP_SOFTMAX") in compute
     assert compute.count(f"if constexpr ({turn})") == 2 and f"if (IS_FIRST_COL || !{turn})" in compute
-    assert compute.count("mutex.wait();") == 2 and compute.count("mutex.arrive();") == 1
+    # (the tile-map kernels' empty turn adds one wait and one arrive: tests/test_fmha_v2_reuse.py)
+    assert compute.count("mutex.wait();") == 3 and compute.count("mutex.arrive();") == 2
     assert compute.count("mutex_accessor.arrive();") == 2  # WG1's bootstrap and the end of the last turn
     # skip counts: every KV step of a warpgroup adds its tiles; one add per warpgroup at its end, none without
     # the caller's pointer, and the build defines the flag that gives the params struct that pointer
+    # (the tiles the test skipped: a tile-map kernel's reused ones are not, tests/test_fmha_v2_reuse.py)
     assert ("  count_skipped_tiles(&shared->skipped_tiles[warpgroup_id], tidx, valid_run,                    \\\n"
-            "                      softmax.skipped_step_ | softmax.skipped_half_, actual_kv_seqlen - kv_step_idx * "
-            "STEP_KV);") in compute
+            "                      (softmax.skipped_step_ | softmax.skipped_half_) & ~reused,                 \\\n"
+            "                      actual_kv_seqlen - kv_step_idx * STEP_KV);") in compute
     assert "if (tidx == 0 && params.skip_softmax_skipped_blocks != nullptr) {" in compute
     assert "softmax.total_blocks" not in compute and epilogue.count("this->skipped_step_ = ") == 2
     flags = fmha_v2_sage.nvcc_flags(fmha_v2_sage.pathlib.Path("/generated"))
@@ -108,12 +115,12 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 
 # sha256 over (path, NUL, text, NUL) of every patched header, sorted by path, per FlashInfer release of the
 # [flashinfer] range (their headers differ; every one patches). A deliberate change of a patch changes them
-# (skip_counts.patch last did); an accidental one, or a release whose headers were never checked, fails here.
+# (tile_map_reuse.patch last did, checked against the 0.7.2.post1 and 0.7.4 wheels; the older releases' headers
+# were not at hand: record theirs once checked); an accidental one, or a release whose headers were never checked,
+# fails here.
 PATCHED_HEADERS_SHA256 = {
-    **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "c6a3c06a042bd19b7118f98297cd2920e4448ac971b0c4d29689f31db331aa02"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "d8ed316e358a60129caa9d0d9765f354c62ba1e96347e1fbb30772198c55f5f4"),
-    "0.7.4": "edb5ad7822d40c591f905150ffac869c0ac4aeb411206e421064af96c3ee9e2f",
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "cadfc06e43ee94a6d19bd51177b8a22f49e682b3753024ea5229799d816130a4"),
+    "0.7.4": "7781ba839ec28967c134064a4a88923aa32e27c67b071ad6b4969f86436b63b6",
 }
 
 
@@ -129,7 +136,7 @@ def test_patch_files_produce_the_recorded_headers():
     for path in sorted(headers):
         digest.update(path.encode() + b"\0" + headers[path].encode() + b"\0")
     assert sorted(headers) == ["fmha/warpspec/compute.h", "fmha/warpspec/dma.h", "fmha/warpspec/epilogue.h",
-                               "fmha/warpspec/kernel_traits.h"]
+                               "fmha/warpspec/kernel_traits.h", "fused_multihead_attention.h"]
     assert digest.hexdigest() == PATCHED_HEADERS_SHA256[flashinfer.__version__]
 
 
@@ -194,9 +201,10 @@ def test_binding_arguments_match_the_python_call(monkeypatch):
     out = fmha_v2_sage.sage_attention_packed(packed, cu, (100, 200), heads_q, SCALE, 5.0, 256)
     got = ["tensor" if isinstance(a, torch.Tensor) else "int" if isinstance(a, int) else "float" for a in seen]
     assert got == kinds
-    assert seen[11:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
+    assert seen[13:] == [heads_q, heads_kv, 200, 64, 64, 256, SCALE, 5.0]
     assert seen[9].dtype == torch.int32 and seen[9].shape == (0,)  # no counts asked: the kernel gets none
     assert seen[10].dtype == torch.float32 and seen[10].shape == (0,)  # no statistics asked: the plain kernel
+    assert all(m.dtype == torch.int32 and m.shape == (0,) for m in seen[11:13])  # no map: the kernel without one
     # V's per-channel scales go to the kernel's epilogue per query head (GQA: each KV head's repeated)
     v_scale = seen[6]
     assert v_scale.shape == (batch, heads_q, 128) and v_scale.is_contiguous()

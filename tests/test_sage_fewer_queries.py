@@ -258,7 +258,7 @@ def fake_kernel(monkeypatch):
 
     class Module:
         def sage_attention(self, qk, v_t, v_starts, out, q_scale, k_scale, v_scale, cu, tile_counter, skip_counts,
-                           heads_q, heads_kv, max_seqlen, *args):
+                           softmax_stats, tile_map_entry, tile_map, heads_q, heads_kv, max_seqlen, *args):
             calls["kernel"] = (out, cu.tolist(), max_seqlen)
             rows = torch.arange(out.shape[0])
             out.zero_()

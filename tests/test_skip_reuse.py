@@ -26,6 +26,7 @@ from diffusers_trtllm.backends.base import (KernelPlan, KernelResult, VarlenQKV,
                                             tile_map_shape, unpack_tile_map)
 from diffusers_trtllm.backends.reference import reference_attention, tiles_in_map
 from diffusers_trtllm.calibration.counting import skip_gaps
+from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.dispatch import set_dispatch_config
 from diffusers_trtllm.errors import AttentionConfigError, BackendUnavailableError
 from diffusers_trtllm.run_state import REUSE, REUSE_FRESH, REUSE_KEEP, REUSE_OFF, SKIP
@@ -323,13 +324,28 @@ def test_auto_keeps_skip_and_sage_where_only_reuse_cannot_run(monkeypatch):
         select_backend("FAST", plan, qkv)
 
 
-def test_trtllm_attn_refuses_reuse_until_a_kernel_has_it(monkeypatch):
+@pytest.mark.parametrize("quant,lengths,reason", [
+    (None, (256, 256), "a bf16 plan has no reuse"),
+    (AttnQuantSpec("fp8_e4m3", k_block_size=64), (256, 256), "this plan asks for K block 64"),
+    (AttnQuantSpec("fp8_e4m3"), (256, 256), None),  # FMHAv2 SAGE
+    (AttnQuantSpec("int8"), (256, 256), None),  # Triton SAGE
+    (AttnQuantSpec("fp8_e4m3"), (512, 256), None),  # more queries than keys: Triton SAGE
+])
+def test_trtllm_attn_reuses_on_hoppers_sage_kernels_and_refuses_elsewhere_naming_them(monkeypatch, quant, lengths,
+                                                                                     reason):
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
-    qkv = VarlenQKV(*(torch.zeros(256, 2, 128, dtype=torch.bfloat16) for _ in range(3)), (256,), (256,))
-    plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, reuse=True)
-    assert "skip_softmax.reuse_steps" in trtllm.unavailable_reason(plan, qkv)
-    with pytest.raises(BackendUnavailableError, match="reuse_steps"):
-        trtllm.run(qkv, plan)
+    qkv = VarlenQKV(*(torch.zeros(n, 2, 128, dtype=torch.bfloat16) for n in (lengths[0], *lengths[1:] * 2)),
+                    lengths[:1], lengths[1:])
+    plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, quant=quant, reuse=True)
+    found = trtllm.reuse_unavailable_reason(plan, qkv)
+    assert (found is None) == (reason is None)
+    if reason is not None:
+        assert reason in found and "FMHAv2 (fp8_e4m3" in found and "Triton (int8" in found
+        with pytest.raises(BackendUnavailableError, match="reuse_steps"):
+            trtllm.run(qkv, plan)
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_100")
+    assert "this GPU's SAGE kernel has no reuse" in trtllm.reuse_unavailable_reason(
+        KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, quant=AttnQuantSpec("fp8_e4m3"), reuse=True), qkv)
     assert KernelResult(torch.zeros(1)).reused_tiles is None
 
 

@@ -266,20 +266,28 @@ def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, more_queries_th
             "unset for the fastest")
 
 
+#: What runs Skip-Softmax reuse, for the reason a plan that cannot gives
+REUSE_KERNELS = ("Skip-Softmax reuse (skip_softmax.reuse_steps) runs on Hopper's SAGE kernels, FMHAv2 (fp8_e4m3, "
+                 "Q block 64, the default K block, no log-sum-exp) and Triton (int8, or Q/K blocks 1, 4, 16), and on "
+                 "TORCH_REFERENCE; set skip_softmax.reuse_steps 0 to run")
+
+
 def reuse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-    """Why the kernel TRTLLM_ATTN runs for ``plan`` on ``qkv`` cannot reuse Skip-Softmax tile maps, naming what
-    can, or None (also when not asked)."""
+    """Why the kernel TRTLLM_ATTN runs for ``plan`` on ``qkv`` cannot reuse Skip-Softmax tile maps (naming what
+    can), or None (also when not asked): Hopper's Triton SAGE route reuses them, and the FMHAv2 SAGE route at its
+    default K block without the log-sum-exp; the bf16 kernels and Blackwell's have no reuse."""
     if not plan.reuse:
         return None
-    arch = gpu_arch(qkv.q.device)
-    if arch in FMHA_V2_ARCHS and plan.quant is not None and \
-            _hopper_sage_kernel(plan.quant, qkv.more_queries_than_keys) == "triton":
+    quant = plan.quant
+    if gpu_arch(qkv.q.device) not in FMHA_V2_ARCHS or quant is None:
+        what = "a bf16 plan" if quant is None else "this GPU's SAGE kernel"
+        return f"{REUSE_KERNELS} ({what} has no reuse)"
+    if _hopper_sage_kernel(quant, qkv.more_queries_than_keys) == "triton":
         return None
-    kernel = (f"trtllm-gen on {arch}" if arch in TRTLLM_GEN_ARCHS else
-              "FMHAv2 bf16 (a step without SAGE)" if plan.quant is None else "the FMHAv2 SAGE kernel")
-    return (f"Skip-Softmax reuse (skip_softmax.reuse_steps) runs on Hopper's Triton SAGE kernel (quant.q_block_size "
-            f"and k_block_size in {list(TRITON_SAGE_BLOCKS)}, or int8) and on TORCH_REFERENCE; {kernel} has none: "
-            "choose those, or set skip_softmax.reuse_steps 0")
+    if quant.k_block_size not in (None, fmha_v2_sage.REUSE_K_BLOCK) or plan.return_lse:
+        what = f"K block {quant.k_block_size}" if quant.k_block_size else "the log-sum-exp"
+        return f"{REUSE_KERNELS} (this plan asks for {what})"
+    return None
 
 
 def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
@@ -335,16 +343,23 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile)
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
-        counting = plan.count_skips and plan.skips
-        skipped = torch.zeros(1, dtype=torch.int32, device=qkv.q.device) if counting else None
+        # with reuse the kernel always counts: the result reports the tiles skipped by the test and by reuse
+        tile_map = tile_map_for(plan, qkv, fmha_v2_sage.SKIP_TILE)
+        counting = (plan.count_skips and plan.skips) or tile_map is not None
+        skipped = (torch.zeros(1 if tile_map is None else 2, dtype=torch.int32, device=qkv.q.device)
+                   if counting else None)
         result = fmha_v2_sage.fmha_v2_sage_attention(
             qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), tuple(qkv.seqlens_kv), plan.scale,
             cu_seqlens_q=qkv.cu_seqlens("q"), seqlens_q=tuple(qkv.seqlens_q), k_block=semantics.k_block,
-            kv_step=semantics.kv_step, skip_factor=plan.skip_factor, skip_counts=skipped, return_lse=plan.return_lse)
+            kv_step=semantics.kv_step, skip_factor=plan.skip_factor, skip_counts=skipped, return_lse=plan.return_lse,
+            tile_map=tile_map)
         out, lse = result if plan.return_lse else (result, None)
         if not counting:
             return KernelResult(out, lse=lse)
-        return KernelResult(out, skipped[0], fmha_v2_sage.skip_tiles(tuple(qkv.seqlens_kv), qkv.q.shape[1]), lse)
+        total = fmha_v2_sage.skip_tiles(tuple(qkv.seqlens_kv), qkv.q.shape[1])
+        if tile_map is None:
+            return KernelResult(out, skipped[0], total, lse)
+        return KernelResult(out, skipped[0], total, lse, tile_map, skipped[1])
     device = qkv.q.device
     lse = torch.empty(qkv.q.shape[:2], dtype=torch.float32, device=device) if plan.return_lse else None
     tile_map = tile_map_for(plan, qkv, semantics.skip_tile or plan.tile)

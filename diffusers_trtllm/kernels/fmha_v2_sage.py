@@ -19,7 +19,11 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
 - Skip-Softmax in the same kernel: each warpgroup (64 query rows) skips 128 keys (:data:`SKIP_TILE`) when every
   row's ``exp(tile_max - running_max) < skip_factor / kv_len``, with ``running_max`` the one at the start of the
   KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart
-  (``half_step_skip.patch``), or 128); the first KV step is never skipped.
+  (``half_step_skip.patch``), or 128); the first KV step is never skipped;
+- Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in a separate
+  kernel (``tile_map_reuse.patch``): the map's tiles are skipped untested, without their K/V loads where both
+  warpgroups of a CTA reuse a whole 256-key step, the others tested as above, and the tiles the test skipped are
+  added to the map.
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
 every sequence with as many queries as keys, and V already transposed (``v_layout.patch``). A sequence with fewer
@@ -64,26 +68,34 @@ BINDING_SOURCE = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_sage.cu"
 
 @dataclasses.dataclass(frozen=True)
 class SageKernel:
-    """One generated kernel: its K scale block, keys per KV step, whether it has the Skip-Softmax code path, and
-    whether it writes each row's softmax statistics (FMHAv2's ``RETURN_SOFTMAX_STATS``: the log-sum-exp)."""
+    """One generated kernel: its K scale block, keys per KV step, whether it has the Skip-Softmax code path,
+    whether it writes each row's softmax statistics (FMHAv2's ``RETURN_SOFTMAX_STATS``: the log-sum-exp), and
+    whether it reuses a tile map (``tile_map_reuse.patch``: compiled with ``DIFFUSERS_TRTLLM_TILE_MAP``)."""
 
     k_block: int
     kv_step: int
     skip_softmax: bool
     lse: bool = False
+    reuse: bool = False
 
 
 # KV step of the kernels that write softmax statistics: the one TRTLLM_ATTN runs (128-key steps serve benchmarks)
 LSE_KV_STEP = 256
 
 
+# The one tile-map kernel (K block, KV step): the route's defaults, two 128-key tiles per step (JIT time stays down)
+REUSE_K_BLOCK, REUSE_KV_STEP = 0, 256
+
+
 def sage_kernels() -> tuple[SageKernel, ...]:
     """Every kernel the module builds: each compiled K block and KV step, with and without Skip-Softmax (K block
-    128 at KV step 256 only: it exists for the block-size sweep), and at :data:`LSE_KV_STEP` each of those again
-    writing the softmax statistics (a separate kernel: the others stay as they were)."""
+    128 at KV step 256 only: it exists for the block-size sweep), at :data:`LSE_KV_STEP` each of those again
+    writing the softmax statistics (a separate kernel: the others stay as they were), and the Skip-Softmax
+    kernel at :data:`REUSE_K_BLOCK` / :data:`REUSE_KV_STEP` again reusing a tile map."""
     plain = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
                   for skip in (False, True) if not (k_block == 128 and kv_step != 256))
-    return plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
+    return (plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
+            + (SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, True, reuse=True),))
 
 
 SKIP_TILE = (Q_BLOCK, 128)  # (query rows, keys) per skip decision: one warpgroup's rows, half a 256-key step
@@ -129,7 +141,7 @@ def padding_mask_only(code: str) -> str:
 
 # FMHAv2 header patches, applied in this order at build time (csrc/fmha_v2_patches/<name>.patch; each file says
 # what it changes and why).
-HEADER_PATCHES = ("v_layout", "half_step_skip", "v_scale_epilogue", "mutex_turn", "skip_counts")
+HEADER_PATCHES = ("v_layout", "half_step_skip", "v_scale_epilogue", "mutex_turn", "skip_counts", "tile_map_reuse")
 PATCH_FOLDER = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_patches"
 _HUNK_HEADER = re.compile(r"@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
@@ -192,22 +204,40 @@ def patched_headers(patch_files: tuple[pathlib.Path, ...] | None = None) -> dict
     return headers
 
 
-def kernel_sources() -> dict[str, str]:
-    """File name -> CUDA source of every generated kernel, ``sage_kernels.h`` (the launchers' declarations and
-    ``launch_sage_kernel``, which dispatches on q block, k block, KV step, skip-softmax and softmax statistics)
-    and the patched FMHAv2
-    headers (:func:`patched_headers`)."""
-    from flashinfer.jit.attention.fmha_v2.fmha_library import get_kernel_code
+# A tile-map kernel's names (file, launcher, kernel): FlashInfer's for its spec with this after "skipSoftmax"
+TILE_MAP_NAME = "_tileMap"
+
+
+def kernel_names(kernel: SageKernel) -> tuple[str, str, str]:
+    """(source file, launcher, kernel) names of ``kernel``: FlashInfer's for its spec, :data:`TILE_MAP_NAME`
+    added to a tile-map kernel's (its spec is the plain Skip-Softmax kernel's)."""
     from flashinfer.jit.attention.fmha_v2.utils import encode_name
+
+    names = encode_name(kernel_spec(kernel))
+    if not kernel.reuse:
+        return names
+    if any(name.count("skipSoftmax") != 1 for name in names):
+        raise RuntimeError(f"FlashInfer's FMHAv2 kernel names changed: expected 'skipSoftmax' once in {names}")
+    return tuple(name.replace("skipSoftmax", "skipSoftmax" + TILE_MAP_NAME) for name in names)
+
+
+def kernel_sources() -> dict[str, str]:
+    """File name -> CUDA source of every generated kernel (a tile-map kernel's defines
+    ``DIFFUSERS_TRTLLM_TILE_MAP`` ahead of FMHAv2's headers), ``sage_kernels.h`` (the launchers' declarations
+    and ``launch_sage_kernel``, which dispatches on q block, k block, KV step, skip-softmax, softmax statistics
+    and tile map) and the patched FMHAv2 headers (:func:`patched_headers`)."""
+    from flashinfer.jit.attention.fmha_v2.fmha_library import get_kernel_code
 
     sources, declarations, branches = {}, [], []
     for kernel in sage_kernels():
-        spec = kernel_spec(kernel)
-        file_name, launcher, kernel_name = encode_name(spec)
-        sources[file_name] = padding_mask_only(get_kernel_code(spec, kernel_name, launcher))
+        file_name, launcher, kernel_name = kernel_names(kernel)
+        code = padding_mask_only(get_kernel_code(kernel_spec(kernel), kernel_name, launcher))
+        sources[file_name] = ("#define DIFFUSERS_TRTLLM_TILE_MAP 1  // tile_map_reuse.patch\n" + code
+                              if kernel.reuse else code)
         declarations.append(f"void {launcher}(Params& params, const Launch_params& launch, cudaStream_t stream);")
         branches.append(f"  if (q_block == {Q_BLOCK} && k_block == {kernel.k_block} && kv_step == {kernel.kv_step} "
-                        f"&& skip == {str(kernel.skip_softmax).lower()} && lse == {str(kernel.lse).lower()}) {{\n"
+                        f"&& skip == {str(kernel.skip_softmax).lower()} && lse == {str(kernel.lse).lower()} "
+                        f"&& tile_map == {str(kernel.reuse).lower()}) {{\n"
                         f"    {launcher}(params, launch, stream);\n    return true;\n  }}")
     sources["sage_kernels.h"] = "\n".join([
         "// Generated by diffusers_trtllm/kernels/fmha_v2_sage.py.",
@@ -216,8 +246,8 @@ def kernel_sources() -> dict[str, str]:
         "using Params = bert::Fused_multihead_attention_params_v2;",
         "using Launch_params = bert::Fused_multihead_attention_launch_params;",
         *declarations,
-        "inline bool launch_sage_kernel(int q_block, int k_block, int kv_step, bool skip, bool lse, Params& params,",
-        "                               const Launch_params& launch, cudaStream_t stream) {",
+        "inline bool launch_sage_kernel(int q_block, int k_block, int kv_step, bool skip, bool lse, bool tile_map,",
+        "                               Params& params, const Launch_params& launch, cudaStream_t stream) {",
         *branches,
         "  return false;",
         "}",
@@ -359,12 +389,15 @@ def skip_tiles(seqlens: tuple[int, ...], heads_q: int) -> int:
 def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens: tuple[int, ...], heads_q: int,
                           scale: float, skip_factor: float = 0.0, kv_step: int = 256,
                           skip_counts: torch.Tensor | None = None,
-                          softmax_stats: torch.Tensor | None = None) -> torch.Tensor:
+                          softmax_stats: torch.Tensor | None = None,
+                          tile_map: torch.Tensor | None = None) -> torch.Tensor:
     """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output, ``cu_seqlens`` / ``seqlens`` its key
     lengths. Returns ``[T, Hq, 128]`` bf16 at the keys' layout (the rows of zero queries included) with V's
     per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i);
-    ``skip_counts`` (:func:`fmha_v2_sage_attention`) receives its skipped tiles; ``softmax_stats`` (``[T, Hq, 2]``
-    float32, at :data:`LSE_KV_STEP`) each row's statistics (:func:`~.flashinfer_calls.fmha_v2_stats_lse`)."""
+    ``skip_counts`` (an int32 ``[1]`` view, :func:`fmha_v2_sage_attention`) receives the tiles its test skipped;
+    ``softmax_stats`` (``[T, Hq, 2]`` float32, at :data:`LSE_KV_STEP`) each row's statistics
+    (:func:`~.flashinfer_calls.fmha_v2_stats_lse`); ``tile_map`` (:func:`fmha_v2_sage_attention`, checked there)
+    runs the tile-map kernel, which reads a copy of it taken here and updates it in place."""
     device = packed.qk.device
     heads_kv = packed.qk.shape[1] - heads_q
     out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -373,10 +406,15 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
         skip_counts = torch.empty(0, dtype=torch.int32, device=device)  # empty: the kernel counts nothing
     if softmax_stats is None:
         softmax_stats = torch.empty(0, dtype=torch.float32, device=device)  # empty: the kernel without statistics
+    # The kernel decides from the map as it was on entry while it ORs skipped tiles into the map: a warpgroup
+    # running ahead must not change the words its partner and the DMA warp still read. Empty: no map.
+    tile_map_entry = torch.empty(0, dtype=torch.int32, device=device) if tile_map is None else tile_map.clone()
+    tile_map = tile_map_entry if tile_map is None else tile_map
     # the kernel reads V's scales per query head
     v_scale = packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1) if heads_q != heads_kv else packed.v_scale
     load_module().sage_attention(packed.qk, packed.v_t, packed.v_starts, out, packed.q_scale, packed.k_scale,
-                                 v_scale, cu_seqlens, tile_counter, skip_counts, softmax_stats, heads_q, heads_kv,
+                                 v_scale, cu_seqlens, tile_counter, skip_counts, softmax_stats, tile_map_entry,
+                                 tile_map, heads_q, heads_kv,
                                  max(seqlens),
                                  Q_BLOCK, packed.k_block, kv_step, float(scale), float(skip_factor))
     return out
@@ -386,7 +424,8 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            seqlens: tuple[int, ...], scale: float, *, cu_seqlens_q: torch.Tensor | None = None,
                            seqlens_q: tuple[int, ...] | None = None, k_block: int = 64, kv_step: int = 256,
                            skip_factor: float = 0.0, skip_counts: torch.Tensor | None = None,
-                           return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                           return_lse: bool = False,
+                           tile_map: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SAGE attention (FP8 e4m3 Q/K/V, per-block Q/K scales, per-channel V) with optional Skip-Softmax on
     Hopper through TRT-LLM FMHAv2's warp-specialized kernel; quantization included.
 
@@ -401,9 +440,22 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     visits; no host read. Returns ``[Tq, Hq, 128]`` bf16 (one sequence: a view of the kernel's output; several
     with fewer queries: one gather of their rows). ``return_lse`` (``kv_step`` :data:`LSE_KV_STEP`): returns
     ``(out, lse)``, ``lse`` ``[Tq, Hq]`` float32, each row's natural log-sum-exp of its scaled scores over the keys
-    it kept, with the smoothing's shift ``scale · q · mean(K)`` (K's mean over its sequence) added back. GPUs: sm_90 (H100/H200); the first call on a machine compiles
-    the kernels (see :func:`load_module`).
+    it kept, with the smoothing's shift ``scale · q · mean(K)`` (K's mean over its sequence) added back.
+
+    ``tile_map``: Skip-Softmax reuse, int32 ``[B, Hq, ceil(max(seqlens_q) / 64), ceil(ceil(max(seqlens) / 128) /
+    32)]`` contiguous on the tensors' device (:func:`tile_map_shape`): bit ``j % 32`` of word ``[b, h, i, j //
+    32]`` set = KV tile ``j`` (keys ``[128 j, 128 j + 128)``) skipped for query tile ``i`` (rows ``[64 i, 64 i +
+    64)``) of head ``h`` of sequence ``b``; bits past a sequence's tiles 0. The kernel skips the set tiles untested
+    (no Q·Kᵀ where a whole 256-key step is set for both warpgroups' query tiles, no load either; a set half of a
+    computed step enters neither the running max nor the sum, its exps and P·V left out), tests the others as
+    without a map, and sets the bits of the tiles its test skipped (updated in place; zero the map for a step
+    that tests every tile). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step`` :data:`REUSE_KV_STEP`, no
+    ``return_lse``; ``skip_factor`` 0 skips the map's tiles only. ``skip_counts`` is then int32 ``[2]``: (tiles the
+    test skipped, tiles reused: the bits set on entry). GPUs: sm_90 (H100/H200); the first call on a machine
+    compiles the kernels (see :func:`load_module`).
     """
+    if tile_map is not None:
+        _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse)
     if not any(k.k_block == k_block and k.kv_step == kv_step and k.lse == return_lse for k in sage_kernels()):
         raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r}{' and return_lse' if return_lse else ''} "
                          "has no compiled FMHAv2 SAGE kernel; compiled (k_block, kv_step, return_lse): "
@@ -412,9 +464,11 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         raise ValueError("cu_seqlens_q and seqlens_q come together (fewer queries than keys) or not at all "
                          f"(self-attention); got cu_seqlens_q={'None' if cu_seqlens_q is None else 'a tensor'}, "
                          f"seqlens_q={seqlens_q!r}")
-    if skip_counts is not None and not (skip_counts.shape == (1,) and skip_counts.dtype == torch.int32
+    counts = 1 if tile_map is None else 2
+    if skip_counts is not None and not (skip_counts.shape == (counts,) and skip_counts.dtype == torch.int32
                                         and skip_counts.device == q.device):
-        raise ValueError(f"skip_counts must be an int32 [1] tensor on {q.device}; got "
+        raise ValueError(f"skip_counts must be an int32 [{counts}] tensor on {q.device}"
+                         f"{' (with a tile map: tested, reused)' if tile_map is not None else ''}; got "
                          f"{skip_counts.dtype} {tuple(skip_counts.shape)} on {skip_counts.device}")
     seqlens_q = tuple(seqlens) if seqlens_q is None else tuple(seqlens_q)
     if len(seqlens_q) != len(seqlens) or any(n_q > n_kv for n_q, n_kv in zip(seqlens_q, seqlens)):
@@ -425,14 +479,47 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block,
                                   cu_seqlens_q if padded else None, max(seqlens_q) if padded else None)
     stats = torch.empty(k.shape[0], q.shape[1], 2, dtype=torch.float32, device=q.device) if return_lse else None
-    out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step, skip_counts,
-                                stats)
+    if skip_counts is not None and tile_map is not None:
+        skip_counts[1:].add_(set_bits(tile_map).to(torch.int32))  # reused: the bits set on entry
+    out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step,
+                                None if skip_counts is None else skip_counts[:1], stats, tile_map)
     out = drop_padded_queries(out, seqlens_q, tuple(seqlens)) if padded else out
     if not return_lse:
         return out
     lse = fmha_v2_stats_lse(stats, scale, HEAD_DIM)
     lse = drop_padded_queries(lse, seqlens_q, tuple(seqlens)) if padded else lse
     return out, lse + smoothing_shift(q, k, seqlens_q, seqlens, scale)
+
+
+def tile_map_shape(seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], heads_q: int) -> tuple[int, ...]:
+    """``[B, Hq, query tiles, words]`` of the tile map of a batch with these lengths (host ints): one bit per
+    :data:`SKIP_TILE` tile, 32 to an int32 word."""
+    rows, keys = SKIP_TILE
+    return len(seqlens_q), heads_q, -(-max(seqlens_q) // rows), -(-(-(-max(seqlens_kv) // keys)) // 32)
+
+
+def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int, ...],
+                    seqlens_q: tuple[int, ...] | None, k_block: int, kv_step: int, return_lse: bool) -> None:
+    """Raise ValueError unless ``tile_map`` fits :func:`fmha_v2_sage_attention`'s call (its docstring)."""
+    shape = tile_map_shape(tuple(seqlens if seqlens_q is None else seqlens_q), tuple(seqlens), q.shape[1])
+    if tile_map.dtype != torch.int32 or tuple(tile_map.shape) != shape or not tile_map.is_contiguous():
+        raise ValueError(f"tile_map must be a contiguous int32 {list(shape)} tensor (batch, query heads, 64-row "
+                         f"query tiles, 32-tile words); got {'a contiguous' if tile_map.is_contiguous() else 'a'} "
+                         f"{tile_map.dtype} {list(tile_map.shape)}")
+    if tile_map.device != q.device:
+        raise ValueError(f"tile_map must be on {q.device}, the tensors' device; got {tile_map.device}")
+    if (k_block, kv_step) != (REUSE_K_BLOCK, REUSE_KV_STEP) or return_lse:
+        raise ValueError(f"a tile map runs on the kernel with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} "
+                         f"and no return_lse; got k_block={k_block}, kv_step={kv_step}, return_lse={return_lse}")
+
+
+def set_bits(words: torch.Tensor) -> torch.Tensor:
+    """0-dim int64: the bits set in int32 ``words`` (any shape), on their device without a host read."""
+    x = words.to(torch.int64) & 0xFFFFFFFF
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24 & 0xFF).sum()
 
 
 def smoothing_shift(q: torch.Tensor, k: torch.Tensor, seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...],

@@ -4,7 +4,7 @@
 // does, for the kernels that diffusers_trtllm/kernels/fmha_v2_sage.py generates (padding mask, PACKED_QKV layout for
 // Q and K, V read transposed by its patched DMA code). The generated header "sage_kernels.h" declares those
 // kernels' launchers and `launch_sage_kernel`, which picks one by (q block, k block, KV step, skip-softmax, softmax
-// statistics).
+// statistics, tile map).
 
 #include <fused_multihead_attention.h>
 
@@ -42,10 +42,15 @@ uint32_t float_bits(float value) {
 // softmax_stats: [total_tokens, heads_q, 2] float32, each row's (max / sqrt(head_dim), sum) (FMHAv2's
 //               Softmax_saver_tma), written by the kernels built with softmax statistics; empty: the kernels
 //               without them run
+// tile_map_entry, tile_map: int32 [batch, heads_q, query tiles, ceil(ceil(max_seqlen / 128) / 32)], contiguous,
+//               Skip-Softmax reuse (tile_map_reuse.patch): the tile-map kernel skips the tiles set in
+//               tile_map_entry (the caller's copy of tile_map) untested and ORs those its test skips into
+//               tile_map; both empty: the kernels without a tile map run
 void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_starts, ffi::TensorView out,
                     ffi::TensorView q_scale, ffi::TensorView k_scale, ffi::TensorView v_scale,
                     ffi::TensorView cu_seqlens, ffi::TensorView tile_counter, ffi::TensorView skip_counts,
-                    ffi::TensorView softmax_stats, int64_t heads_q, int64_t heads_kv, int64_t max_seqlen,
+                    ffi::TensorView softmax_stats, ffi::TensorView tile_map_entry, ffi::TensorView tile_map,
+                    int64_t heads_q, int64_t heads_kv, int64_t max_seqlen,
                     int64_t q_block, int64_t k_block, int64_t kv_step, double softmax_scale,
                     double skip_softmax_threshold_scale_factor) {
   TVM_FFI_ICHECK_EQ(qk.dtype(), dl_float8_e4m3fn) << "qk must be float8_e4m3fn";
@@ -71,6 +76,18 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   TVM_FFI_ICHECK_EQ(v_t.shape()[2] % 16, 0) << "v_t's columns must be a multiple of 16 (TMA row stride)";
   const int64_t total_tokens = qk.shape()[0];
   const int64_t batch = cu_seqlens.shape()[0] - 1;
+  const bool reuse = tile_map.numel() > 0;
+  if (reuse) {
+    const int64_t words = ((max_seqlen + 127) / 128 + 31) / 32;
+    for (const ffi::TensorView* map : {&tile_map_entry, &tile_map}) {
+      TVM_FFI_ICHECK(map->dtype() == dl_int32 && map->ndim() == 4 && map->shape()[0] == batch &&
+                     map->shape()[1] == heads_q && map->shape()[2] <= (max_seqlen + 63) / 64 &&
+                     map->shape()[3] == words && map->IsContiguous())
+          << "tile maps must be contiguous int32 [batch, heads_q, <= ceil(max_seqlen / 64), " << words << "]";
+      TVM_FFI_ICHECK(map->shape()[2] == tile_map.shape()[2]) << "tile_map_entry and tile_map differ in shape";
+    }
+    TVM_FFI_ICHECK(q_block == 64 && kv_step == 256) << "tile maps need 64-query, 256-key steps";
+  }
   TVM_FFI_ICHECK(v_scale.ndim() == 3 && v_scale.shape()[0] == batch && v_scale.shape()[1] == heads_q &&
                  v_scale.shape()[2] == head_dim && v_scale.IsContiguous())
       << "v_scale must be a contiguous [batch, heads_q, head_dim] tensor";
@@ -103,6 +120,12 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   if (skip_counts.shape()[0] == 1) {  // else a null pointer (memset above): the kernel counts nothing
     params.skip_softmax_skipped_blocks = static_cast<uint32_t*>(skip_counts.data_ptr());
   }
+  if (reuse) {
+    params.tile_map_entry = static_cast<const uint32_t*>(tile_map_entry.data_ptr());
+    params.tile_map = static_cast<uint32_t*>(tile_map.data_ptr());
+    params.tile_map_q_tiles = static_cast<int>(tile_map.shape()[2]);
+    params.tile_map_words = static_cast<int>(tile_map.shape()[3]);
+  }
   if (save_stats) {
     params.softmax_stats_ptr = softmax_stats.data_ptr();
     params.softmax_stats_stride_in_bytes = heads_q * 2 * sizeof(float);
@@ -130,16 +153,18 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   launch.attention_input_layout = fmha::Attention_input_layout::PACKED_QKV;
   launch.total_q_seqlen = static_cast<int>(total_tokens);
   launch.total_kv_seqlen = static_cast<int>(batch * max_seqlen);
-  launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0;
+  // a tile map runs the Skip-Softmax kernel, whose test skips nothing at factor 0
+  launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0 || reuse;
   FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.multi_processor_count, cudaDevAttrMultiProcessorCount, device));
   FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.device_l2_cache_size, cudaDevAttrL2CacheSize, device));
 
   cudaStream_t stream = get_stream(qk.device());
   TVM_FFI_ICHECK(launch_sage_kernel(static_cast<int>(q_block), static_cast<int>(k_block),
-                                    static_cast<int>(kv_step), launch.enable_skip_softmax, save_stats, params,
-                                    launch, stream))
+                                    static_cast<int>(kv_step), launch.enable_skip_softmax, save_stats, reuse,
+                                    params, launch, stream))
       << "no SAGE kernel was built for q_block " << q_block << ", k_block " << k_block << ", kv_step " << kv_step
-      << ", skip-softmax " << launch.enable_skip_softmax << ", softmax statistics " << save_stats;
+      << ", skip-softmax " << launch.enable_skip_softmax << ", softmax statistics " << save_stats << ", tile map "
+      << reuse;
 }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sage_attention, sage_attention);

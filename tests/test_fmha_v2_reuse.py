@@ -1,0 +1,339 @@
+"""Skip-Softmax reuse in Hopper's FMHAv2 SAGE kernel (issue 47, csrc/fmha_v2_patches/tile_map_reuse.patch).
+
+The tile-map kernel skips the tiles of a map untested (no K/V load for a step both warpgroups reuse whole, no
+Q·Kᵀ for a warpgroup's fully reused step, reused halves out of the max, the sum and P·V) and ORs the tiles its
+test skips into the map. CPU: the kernel's build entry, the wrapper's refusals, the binding's arguments and the
+route's plumbing. GPU (``-m gpu``, sm_90): against ``TORCH_REFERENCE`` with the same map, which emulates the
+kernel's fp8 sums, so skip decisions agree tile for tile.
+"""
+
+import pytest
+import torch
+
+from diffusers_trtllm.backends import run_backend, trtllm
+from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV, pack_tile_map, unpack_tile_map
+from diffusers_trtllm.config import AttnQuantSpec
+from diffusers_trtllm.kernels import fmha_v2_sage
+
+fmha_library = pytest.importorskip("flashinfer.jit.attention.fmha_v2.fmha_library")
+
+SCALE = 128 ** -0.5
+FP8 = AttnQuantSpec("fp8_e4m3")
+
+
+# ---------------------------------------------------------------- CPU: build, refusals, plumbing
+
+
+def test_one_tile_map_kernel_with_its_own_names_and_flag():
+    reuse = [k for k in fmha_v2_sage.sage_kernels() if k.reuse]
+    assert reuse == [fmha_v2_sage.SageKernel(0, 256, True, reuse=True)]
+    plain = fmha_v2_sage.kernel_names(fmha_v2_sage.SageKernel(0, 256, True))
+    names = fmha_v2_sage.kernel_names(reuse[0])
+    assert all("skipSoftmax_tileMap" in name for name in names) and set(names).isdisjoint(plain)
+    sources = fmha_v2_sage.kernel_sources()
+    assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP 1")
+    assert sum("DIFFUSERS_TRTLLM_TILE_MAP 1" in code for name, code in sources.items() if name.endswith(".cu")) == 1
+    assert "&& tile_map == true) {\n    " + names[1] in sources["sage_kernels.h"]
+    # the headers: the map's pointers beside the skip statistics, the DMA's predicate, the kernels without a map
+    # keeping FlashInfer's step by the preprocessor
+    assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
+    dma, compute = sources["fmha/warpspec/dma.h"], sources["fmha/warpspec/compute.h"]
+    assert "if (!kv_step_loaded(reused_halves(params, bidb, bidh, q_tile, actual_seqlen, kv_step_idx)," in dma
+    assert "#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK) COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)" \
+        in compute
+
+
+def _call(q, seqlens=(300,), **kwargs):
+    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
+    return fmha_v2_sage.fmha_v2_sage_attention(q, q, q, cu, seqlens, SCALE, k_block=0, skip_factor=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("tile_map,words", [
+    (torch.zeros(1, 2, 5, 1, dtype=torch.int64), r"int32 \[1, 2, 5, 1\] tensor .* got a contiguous torch.int64"),
+    (torch.zeros(1, 2, 4, 1, dtype=torch.int32), r"\[1, 2, 5, 1\] .* got a contiguous torch.int32 \[1, 2, 4, 1\]"),
+    (torch.zeros(1, 2, 5, 2, dtype=torch.int32), r"got a contiguous torch.int32 \[1, 2, 5, 2\]"),
+    (torch.zeros(1, 5, 2, 1, dtype=torch.int32).transpose(1, 2), r"got a torch.int32 \[1, 2, 5, 1\]"),
+    (torch.zeros(1, 2, 5, 1, dtype=torch.int32, device="meta"), "must be on cpu, the tensors' device; got meta"),
+], ids=["dtype", "query-tiles", "words", "strided", "device"])
+def test_a_tile_map_of_another_dtype_shape_or_device_is_refused_before_any_work(tile_map, words):
+    with pytest.raises(ValueError, match=words):
+        _call(torch.zeros(300, 2, 128, dtype=torch.bfloat16), tile_map=tile_map)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(k_block=64), "k_block=0, kv_step=256 and no return_lse; got k_block=64"),
+    (dict(kv_step=128), "got k_block=0, kv_step=128"),
+    (dict(return_lse=True), "return_lse=True"),
+    (dict(skip_counts=torch.zeros(1, dtype=torch.int32)), r"int32 \[2\] tensor on cpu \(with a tile map: tested"),
+])
+def test_a_tile_map_needs_the_tile_map_kernel_and_two_counts(kwargs, words):
+    q = torch.zeros(300, 2, 128, dtype=torch.bfloat16)
+    call = dict(k_block=0, tile_map=torch.zeros(1, 2, 5, 1, dtype=torch.int32)) | kwargs
+    cu = torch.tensor([0, 300], dtype=torch.int32)
+    with pytest.raises(ValueError, match=words):
+        fmha_v2_sage.fmha_v2_sage_attention(q, q, q, cu, (300,), SCALE, skip_factor=1.0, **call)
+
+
+def test_the_map_shape_follows_the_query_and_key_lengths():
+    # Wan 2.2 at 720p / 81 frames: 1,182 query tiles, 591 KV tiles in 19 words
+    assert fmha_v2_sage.tile_map_shape((75_600,), (75_600,), 40) == (1, 40, 1182, 19)
+    assert fmha_v2_sage.tile_map_shape((40, 200), (300, 4097), 8) == (2, 8, 4, 2)  # the real queries' tiles only
+
+
+def test_set_bits_counts_every_bit_of_int32_words():
+    words = torch.tensor([[-1, 0], [5, -2 ** 31]], dtype=torch.int32)
+    assert int(fmha_v2_sage.set_bits(words)) == 32 + 2 + 1
+    skipped = torch.rand(3, 4, 70) < 0.3
+    assert int(fmha_v2_sage.set_bits(pack_tile_map(skipped, 3))) == int(skipped.sum())
+
+
+def test_the_binding_gets_a_copy_of_the_map_and_the_map_itself(monkeypatch):
+    seen = []
+
+    class Module:
+        def sage_attention(self, *args):
+            seen.extend(args)
+
+    monkeypatch.setattr(fmha_v2_sage, "load_module", lambda: Module())
+    tokens, heads = 300, 2
+    packed = fmha_v2_sage.PackedSage(torch.zeros(tokens, 2 * heads, 128, dtype=torch.float8_e4m3fn),
+                                     torch.zeros(heads, 128, 320, dtype=torch.float8_e4m3fn),
+                                     torch.tensor([0, 320], dtype=torch.int32), torch.ones(1, heads, 5),
+                                     torch.ones(1, heads, 0), torch.ones(1, heads, 128), 0)
+    tile_map = torch.randint(0, 4, (1, heads, 5, 1), dtype=torch.int32)
+    fmha_v2_sage.sage_attention_packed(packed, torch.tensor([0, tokens], dtype=torch.int32), (tokens,), heads,
+                                       SCALE, 1.0, 256, torch.zeros(1, dtype=torch.int32), None, tile_map)
+    entry, written = seen[11], seen[12]
+    assert written is tile_map  # updated in place
+    assert torch.equal(entry, tile_map) and entry.data_ptr() != tile_map.data_ptr()  # read from a copy
+
+
+def _fake_kernel(monkeypatch, skipped):
+    seen = {}
+
+    def fake(q, k, v, cu_seqlens, seqlens, scale, *, skip_counts=None, tile_map=None, **kwargs):
+        seen.update(kwargs, skip_counts=skip_counts, tile_map=tile_map)
+        skip_counts += torch.tensor([skipped, int(fmha_v2_sage.set_bits(tile_map))], dtype=torch.int32)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
+    monkeypatch.setattr(trtllm.fmha_v2_sage, "fmha_v2_sage_attention", fake)
+    return seen
+
+
+def _qkv(seqlens_q, seqlens_kv, heads):
+    q = torch.zeros(sum(seqlens_q), heads, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(sum(seqlens_kv), heads, 128, dtype=torch.bfloat16)
+    return VarlenQKV(q, kv, kv, tuple(seqlens_q), tuple(seqlens_kv))
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["plan-map", "fresh-map"])
+def test_the_hopper_sage_route_runs_a_reuse_plan_with_its_map_and_reports_both_counts(monkeypatch, given):
+    seen = _fake_kernel(monkeypatch, skipped=7)
+    qkv = _qkv((100, 150), (164, 300), 4)
+    shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 4)
+    tile_map = torch.full(shape, 3, dtype=torch.int32) if given else None
+    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=FP8, skip_factor=7.0, reuse=True, tile_map=tile_map)
+    assert trtllm.reuse_unavailable_reason(plan, qkv) is None
+    result = trtllm._run_hopper_sage(qkv, plan)
+    assert result.tile_map is seen["tile_map"] and tuple(result.tile_map.shape) == shape
+    assert (result.tile_map is tile_map) if given else not result.tile_map.any()
+    assert seen["k_block"] == fmha_v2_sage.REUSE_K_BLOCK and seen["kv_step"] == fmha_v2_sage.REUSE_KV_STEP
+    assert int(result.skipped_tiles) == 7 and int(result.reused_tiles) == (2 * torch.tensor(shape).prod() if given
+                                                                           else 0)
+    assert result.total_tiles == fmha_v2_sage.skip_tiles((164, 300), 4)
+
+
+@pytest.mark.parametrize("quant,plan_kwargs,words", [
+    (AttnQuantSpec("int8", 64, 64), {}, "runs the Triton SAGE kernel: no reuse"),
+    (AttnQuantSpec("fp8_e4m3", 64, 64), {}, "asks for K block 64"),
+    (FP8, dict(return_lse=True), "asks for the log-sum-exp"),
+    (None, {}, "a bf16 plan has no reuse"),
+    (FP8, dict(skip_factor=0.0), "a dense plan has no reuse"),
+])
+def test_reuse_plans_the_fmha_v2_sage_route_cannot_run_are_refused_naming_what_runs_them(
+        monkeypatch, quant, plan_kwargs, words):
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
+    qkv = _qkv((256,), (256,), 2)
+    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=quant, reuse=True, **{"skip_factor": 5.0, **plan_kwargs})
+    reason = trtllm.reuse_unavailable_reason(plan, qkv)
+    assert words in reason and "FMHAv2 SAGE kernel only" in reason and "TORCH_REFERENCE" in reason
+    assert "\n" not in reason
+
+
+def test_blackwell_has_no_reuse(monkeypatch):
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_100")
+    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=FP8, skip_factor=5.0, reuse=True)
+    assert "this GPU's SAGE kernel has no reuse" in trtllm.reuse_unavailable_reason(plan, _qkv((256,), (256,), 2))
+
+
+# ---------------------------------------------------------------- GPU: against the reference with the same map
+
+
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+
+
+def _peaky(seqlens_q, seqlens_kv, heads_q, heads_kv, seed=4):
+    """Position features shared by Q and K over noise (each query favours keys near its own position): tiles far
+    from a query tile are negligible at moderate λ, near ones are not (tests/test_fmha_v2_skip_counts.py's data)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    freqs = torch.logspace(-3, -0.5, 64, device="cuda")[None, :]
+
+    def rows(lengths, heads):
+        pos = torch.cat([torch.arange(n, device="cuda", dtype=torch.float32) for n in lengths])[:, None]
+        feature = torch.cat([torch.sin(pos * freqs), torch.cos(pos * freqs)], 1)[:, None]
+        return ((feature + 0.3 * torch.randn(pos.shape[0], heads, 128, device="cuda", generator=gen)) * 2).bfloat16()
+
+    v = torch.randn(sum(seqlens_kv), heads_kv, 128, device="cuda", generator=gen).bfloat16()
+    return VarlenQKV(rows(seqlens_q, heads_q), rows(seqlens_kv, heads_kv), v, tuple(seqlens_q), tuple(seqlens_kv))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _plan(skip_factor, tile_map=None):
+    return KernelPlan("TRTLLM_ATTN", SCALE, quant=FP8, skip_factor=skip_factor, tile=fmha_v2_sage.SKIP_TILE,
+                      count_skips=True, reuse=True, tile_map=tile_map)
+
+
+def _kv_tiles(qkv):
+    return -(-max(qkv.seqlens_kv) // fmha_v2_sage.SKIP_TILE[1])
+
+
+def _disagreements(a, b, qkv):
+    return int((unpack_tile_map(a, _kv_tiles(qkv)) != unpack_tile_map(b, _kv_tiles(qkv))).sum())
+
+
+def _near_threshold(result):
+    """Tiles whose decision may fall either way between the kernel and the reference (the reference emulates
+    sm_90's fp8 sums, and the skip-count test finds the counts equal: a bound, not an expected number)."""
+    return result.total_tiles // 1000
+
+
+def _map_of(tiles, qkv):
+    """``tiles`` (bool ``[B, Hq, query tiles, KV tiles]``) as a tile map on the GPU, with the tiles past each
+    sequence's queries and keys cleared (the map's contract)."""
+    tiles = tiles.clone()
+    for b, (n_q, n_kv) in enumerate(zip(qkv.seqlens_q, qkv.seqlens_kv)):
+        tiles[b, :, -(-n_q // 64):] = False
+        tiles[b, ..., -(-n_kv // 128):] = False
+    return pack_tile_map(tiles, -(-tiles.shape[-1] // 32)).cuda()
+
+
+SHAPES = {"self": ((1100, 300, 2112), (1100, 300, 2112)), "fewer-queries": ((600, 1000), (1700, 1000))}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", SHAPES.values(), ids=SHAPES.keys())
+def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths):
+    _hopper()
+    qkv = _peaky(*lengths, 8, 2)
+    fresh = run_backend("TRTLLM_ATTN", qkv, _plan(300.0))
+    today = run_backend("TRTLLM_ATTN", qkv, KernelPlan("TRTLLM_ATTN", SCALE, quant=FP8, skip_factor=300.0,
+                                                       tile=fmha_v2_sage.SKIP_TILE, count_skips=True))
+    assert torch.equal(fresh.out, today.out)  # no reuse on entry: the same decisions, the same sums
+    assert int(fresh.skipped_tiles) == int(today.skipped_tiles) and int(fresh.reused_tiles) == 0
+    assert int(fmha_v2_sage.set_bits(fresh.tile_map)) == int(fresh.skipped_tiles)
+    ref = run_backend("TORCH_REFERENCE", qkv, _plan(300.0))
+    assert 0.1 < int(ref.skipped_tiles) / ref.total_tiles < 0.9
+    # the reference emulates sm_90's fp8 sums: its decisions are the kernel's (the skip-count test agrees exactly)
+    assert _disagreements(fresh.tile_map, ref.tile_map, qkv) <= _near_threshold(ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", SHAPES.values(), ids=SHAPES.keys())
+def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths):
+    _hopper()
+    qkv = _peaky(*lengths, 8, 2)
+    # the previous step's map at a larger λ: it skips tiles this step's test would keep
+    entry = run_backend("TRTLLM_ATTN", qkv, _plan(600.0)).tile_map
+    kernel = run_backend("TRTLLM_ATTN", qkv, _plan(300.0, entry.clone()))
+    ref = run_backend("TORCH_REFERENCE", qkv, _plan(300.0, entry.clone()))
+    plain = run_backend("TRTLLM_ATTN", qkv, _plan(300.0)).out
+    assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(fmha_v2_sage.set_bits(entry)) > 0
+    assert abs(int(kernel.skipped_tiles) - int(ref.skipped_tiles)) <= _near_threshold(ref)
+    assert _disagreements(kernel.tile_map, ref.tile_map, qkv) <= _near_threshold(ref)
+    assert not (entry & ~kernel.tile_map).any()  # every reused tile stays set
+    assert _rel(kernel.out, ref.out) < 5e-3  # the SAGE tests' tolerance: the bf16 output rounding
+    assert _rel(kernel.out, plain) > 2 * _rel(kernel.out, ref.out)  # the reused tiles did change the result
+
+
+@pytest.mark.gpu
+def test_gpu_steps_every_query_tile_reuses_are_never_read():
+    """K and V of the 256-key steps that every query tile reuses whole are set to NaN after quantization: the
+    output is bit for bit the one with intact K and V, so those steps were neither loaded nor multiplied."""
+    _hopper()
+    qkv = _peaky((2000, 1500), (2000, 1500), 4, 2)
+    cu, heads = qkv.cu_seqlens("kv"), qkv.q.shape[1]
+    packed = fmha_v2_sage.sage_quantize_packed(qkv.q, qkv.k, qkv.v, cu, max(qkv.seqlens_kv), 0)
+    shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, heads)
+    gen = torch.Generator().manual_seed(5)
+    # whole steps of every sequence (not its first, which is always loaded), each query tile reusing them
+    steps = [s for s in range(1, min(qkv.seqlens_kv) // 256) if torch.rand(1, generator=gen) < 0.4]
+    tiles = torch.zeros(shape[:3] + (_kv_tiles(qkv),), dtype=torch.bool)
+    for s in steps:
+        tiles[..., 2 * s:2 * s + 2] = True
+    tile_map = _map_of(tiles, qkv)
+
+    def run(packed):
+        counts = torch.zeros(1, dtype=torch.int32, device="cuda")
+        out = fmha_v2_sage.sage_attention_packed(packed, cu, qkv.seqlens_kv, heads, SCALE, 300.0, 256, counts,
+                                                 None, tile_map.clone())
+        return out, counts
+
+    clean, clean_counts = run(packed)
+    poisoned = packed._replace(qk=packed.qk.clone(), v_t=packed.v_t.clone())
+    # NaN rather than a large finite value: any product with a loaded key or value shows in the output
+    nan = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
+    for start, v_start in zip(cu.tolist()[:-1], packed.v_starts.tolist()):
+        for s in steps:  # whole steps: V^T's 16-key groups (permuted inside) stay within them
+            poisoned.qk[start + 256 * s:start + 256 * s + 256, heads:] = nan
+            poisoned.v_t[:, :, v_start + 256 * s:v_start + 256 * s + 256] = nan
+    out, counts = run(poisoned)
+    assert len(steps) >= 2 and torch.equal(out, clean) and torch.equal(counts, clean_counts)
+
+
+@pytest.mark.gpu
+def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
+    _hopper()
+    qkv = _peaky((1100, 300, 2112), (1100, 300, 2112), 8, 2, seed=6)
+    shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 8)
+    tiles = torch.rand(shape[:3] + (_kv_tiles(qkv),), generator=torch.Generator().manual_seed(7)) < 0.5
+    entry = _map_of(tiles, qkv)
+    factor = 1e-6  # λ ≈ 1e-9: the test skips nothing
+    kernel = run_backend("TRTLLM_ATTN", qkv, _plan(factor, entry.clone()))
+    ref = run_backend("TORCH_REFERENCE", qkv, _plan(factor, entry.clone()))
+    assert int(kernel.skipped_tiles) == int(ref.skipped_tiles) == 0
+    assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(fmha_v2_sage.set_bits(entry)) > 0
+    assert torch.equal(kernel.tile_map, entry) and torch.equal(ref.tile_map, entry)
+    assert torch.isfinite(kernel.out).all() and _rel(kernel.out, ref.out) < 5e-3
+
+
+# ---------------------------------------------------------------- CPU: the static report's SASS figures
+
+SASS = """
+        /*0000*/                   LDG.E.CONSTANT R4, desc[UR36][R4.64] ;
+        /*0010*/              @!P0 BRA 0x0070 ;
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR46+0x34020], R4 ;
+        /*0030*/                   UTMALDG.3D [UR24], [UR16] ;
+        /*0040*/                   UTMALDG.3D [UR16], [UR24] ;
+        /*0050*/                   LDL R2, [R1+0x8] ;
+        /*0070*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0080*/              @P1 BRA 0x0000 ;
+"""
+
+
+def test_the_static_report_finds_a_dma_loop_that_leaves_its_loads_out():
+    from helpers import load_script
+
+    static = load_script("benchmarks/sage_kernel_static.py")
+    figures = static.loop_report(SASS)
+    assert figures["dma_ldg"] == 1 and figures["dma_tma"] == 2 and figures["dma_skips_tma"]
+    # a branch behind the buffer wait (an elected thread's) is no skipped step
+    behind = SASS.replace("@!P0 BRA 0x0070 ;", "NOP ;").replace("LDL R2, [R1+0x8] ;", "@!P0 BRA 0x0070 ;")
+    assert not static.loop_report(behind)["dma_skips_tma"]
+    assert static.same_code(SASS, SASS.replace("0x0070", "0x0080").replace("/*0010*/", "/*0020*/"))
+    assert not static.same_code(SASS, SASS.replace("R2, [R1+0x8]", "R3, [R1+0x8]"))
