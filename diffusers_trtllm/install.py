@@ -11,7 +11,7 @@ import torch
 from .calibration import calibrations_from_transformers
 from .calibration.curve import SkipCalibration
 from .backends.base import backend_for_route
-from .config import TORCH_REFERENCE, TRANSFORMER_COMPONENTS, AttentionConfig
+from .config import TORCH_REFERENCE, TRANSFORMER_COMPONENTS, TRTLLM_ATTN, AttentionConfig
 from .errors import AttentionConfigError, BackendUnavailableError, warn_user
 from .plan import CallPlanner, CallSite
 from .processors import PROCESSORS, TrtllmAttnProcessor, processor_class_for
@@ -216,7 +216,7 @@ def _refuse_ring_without_lse(component: str, planner: CallPlanner, cls: type[Trt
             raise BackendUnavailableError(
                 f"{site.qualified_layer} ({site.role} attention) runs on {call.backend}, which does not return the "
                 f"log-sum-exp that ring attention (ring_degree={ring_degree}) merges partial results by; give it "
-                f"{TORCH_REFERENCE}, or use Ulysses (ulysses_degree) alone")
+                f"{TRTLLM_ATTN} or {TORCH_REFERENCE}, or use Ulysses (ulysses_degree) alone")
 
 
 def _gated(planner: CallPlanner) -> bool:

@@ -193,12 +193,13 @@ def test_ring_attention_on_a_backend_without_the_log_sum_exp_is_refused_naming_o
     name, message = two_rank_results["ring-sdpa-after"]
     assert name == "BackendUnavailableError" and message == (
         "transformer.blocks.0.attn1 (self_attn attention) runs on TORCH_SDPA, which does not return the log-sum-exp "
-        "that ring attention (ring_degree=2) merges partial results by; give it TORCH_REFERENCE, or use Ulysses "
+        "that ring attention (ring_degree=2) merges partial results by; give it TRTLLM_ATTN or TORCH_REFERENCE, or use "
+        "Ulysses "
         "(ulysses_degree) alone"), (name, message)
     name, message = two_rank_results["ring-sdpa"]
     assert name == "BackendUnavailableError" and message == (
-        "TORCH_SDPA does not return the log-sum-exp that ring attention merges partial results by; TORCH_REFERENCE, "
-        "TRTLLM_ATTN does"), (name, message)
+        "TORCH_SDPA does not return the log-sum-exp that ring attention merges partial results by; TORCH_REFERENCE "
+        "and TRTLLM_ATTN do"), (name, message)
 
 
 def test_cross_attention_stays_out_of_ring_attention_on_any_backend(inputs, two_rank_results):

@@ -106,16 +106,17 @@ def test_the_dispatcher_returns_the_log_sum_exp_where_its_backend_gives_it():
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.25).transpose(1, 2))
     set_dispatch_config({"default": {"backend": "TORCH_SDPA"}})
     with pytest.raises(BackendUnavailableError, match=r"TORCH_SDPA does not return the log-sum-exp that ring "
-                                                      r"attention merges partial results by; TORCH_REFERENCE, TRTLLM_ATTN does"):
+                                                      r"attention merges partial results by; TORCH_REFERENCE and TRTLLM_ATTN do"):
         trtllm_attention(q, k, v, return_lse=True)
 
 
 @pytest.mark.parametrize("config, match", [
     ({"per_role": {"self": {"backend": "TORCH_SDPA"}}}, r"per_role keys \['self'\] need this package's processors"),
     ({"default": {"skip_softmax": {"threshold": 0.1, "disabled_until_timestep": 0.5}}},
-     "disabled_until_timestep and target_sparsity need the pipeline's timestep"),
+     "disabled_until_timestep, target_sparsity and reuse_steps need the pipeline's steps, timestep"),
+    ({"default": {"skip_softmax": {"threshold": 0.1, "reuse_steps": 2}}}, "and reuse_steps need the pipeline's steps"),
     ({"default": {"skip_softmax": {"target_sparsity": 0.5}}}, "set_dispatch_config takes skip_softmax.threshold only"),
-], ids=["per_role", "gate", "target_sparsity"])
+], ids=["per_role", "gate", "reuse", "target_sparsity"])
 def test_set_dispatch_config_refuses_what_needs_processors(config, match):
     with pytest.raises(AttentionConfigError, match=match):
         set_dispatch_config(config)

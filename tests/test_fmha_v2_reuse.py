@@ -144,29 +144,6 @@ def test_the_hopper_sage_route_runs_a_reuse_plan_with_its_map_and_reports_both_c
     assert result.total_tiles == fmha_v2_sage.skip_tiles((164, 300), 4)
 
 
-@pytest.mark.parametrize("quant,plan_kwargs,words", [
-    (AttnQuantSpec("int8", 64, 64), {}, "runs the Triton SAGE kernel: no reuse"),
-    (AttnQuantSpec("fp8_e4m3", 64, 64), {}, "asks for K block 64"),
-    (FP8, dict(return_lse=True), "asks for the log-sum-exp"),
-    (None, {}, "a bf16 plan has no reuse"),
-    (FP8, dict(skip_factor=0.0), "a dense plan has no reuse"),
-])
-def test_reuse_plans_the_fmha_v2_sage_route_cannot_run_are_refused_naming_what_runs_them(
-        monkeypatch, quant, plan_kwargs, words):
-    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
-    qkv = _qkv((256,), (256,), 2)
-    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=quant, reuse=True, **{"skip_factor": 5.0, **plan_kwargs})
-    reason = trtllm.reuse_unavailable_reason(plan, qkv)
-    assert words in reason and "FMHAv2 SAGE kernel only" in reason and "TORCH_REFERENCE" in reason
-    assert "\n" not in reason
-
-
-def test_blackwell_has_no_reuse(monkeypatch):
-    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_100")
-    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=FP8, skip_factor=5.0, reuse=True)
-    assert "this GPU's SAGE kernel has no reuse" in trtllm.reuse_unavailable_reason(plan, _qkv((256,), (256,), 2))
-
-
 # ---------------------------------------------------------------- GPU: against the reference with the same map
 
 

@@ -327,6 +327,7 @@ def test_auto_keeps_skip_and_sage_where_only_reuse_cannot_run(monkeypatch):
 @pytest.mark.parametrize("quant,lengths,reason", [
     (None, (256, 256), "a bf16 plan has no reuse"),
     (AttnQuantSpec("fp8_e4m3", k_block_size=64), (256, 256), "this plan asks for K block 64"),
+    (AttnQuantSpec("fp8_e4m3"), (256, 256, "lse"), "this plan asks for the log-sum-exp"),
     (AttnQuantSpec("fp8_e4m3"), (256, 256), None),  # FMHAv2 SAGE
     (AttnQuantSpec("int8"), (256, 256), None),  # Triton SAGE
     (AttnQuantSpec("fp8_e4m3"), (512, 256), None),  # more queries than keys: Triton SAGE
@@ -334,9 +335,10 @@ def test_auto_keeps_skip_and_sage_where_only_reuse_cannot_run(monkeypatch):
 def test_trtllm_attn_reuses_on_hoppers_sage_kernels_and_refuses_elsewhere_naming_them(monkeypatch, quant, lengths,
                                                                                      reason):
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
-    qkv = VarlenQKV(*(torch.zeros(n, 2, 128, dtype=torch.bfloat16) for n in (lengths[0], *lengths[1:] * 2)),
-                    lengths[:1], lengths[1:])
-    plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, quant=quant, reuse=True)
+    lse = lengths[2:] == ("lse",)
+    qkv = VarlenQKV(*(torch.zeros(n, 2, 128, dtype=torch.bfloat16) for n in (lengths[0], lengths[1], lengths[1])),
+                    lengths[:1], lengths[1:2])
+    plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, quant=quant, reuse=True, return_lse=lse)
     found = trtllm.reuse_unavailable_reason(plan, qkv)
     assert (found is None) == (reason is None)
     if reason is not None:

@@ -252,7 +252,7 @@ def test_a_summary_reads_the_counters_with_one_host_copy(monkeypatch):
         summary = handle.stats.summary()
         handle.stats.table()
     assert sorted(summary["per_step"]) == [0, 1, 2, 3]
-    assert copies == [torch.Size([4, len(handle.planner.calls), 2])]  # steps × sites × tile counters, once
+    assert copies == [torch.Size([4, len(handle.planner.calls), 3])]  # steps × sites × tile counters, once
 
 
 def test_auto_that_drops_a_feature_warns_once_whatever_the_shapes():

@@ -233,9 +233,10 @@ class FunctionBackend:
         """Why this backend cannot give the log-sum-exp, naming those that can; None when it can."""
         if self.returns_lse:
             return None
-        givers = ", ".join(sorted(b.name for b in _REGISTRY.values() if b.returns_lse))
+        givers = sorted(b.name for b in _REGISTRY.values() if b.returns_lse)
+        named = givers[0] + " does" if len(givers) == 1 else ", ".join(givers[:-1]) + f" and {givers[-1]} do"
         return (f"{self.name} does not return the log-sum-exp that ring attention merges partial results by; "
-                f"{givers} does")
+                f"{named}")
 
     def run(self, qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
         return self.runner(qkv, plan)
