@@ -128,16 +128,16 @@ def test_whole_model_compiles_fullgraph_and_matches_eager(name, backend, cosmos3
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_expert_pipeline_compiles_one_graph_for_every_block(backend):
-    """Wan 2.2 with both experts' blocks compiled (fullgraph), a gate that switches Skip-Softmax on mid-run, and
-    two pipeline calls: exactly one graph. Why one: every block of both experts has the same structure and
+    """Wan 2.2 with both experts' blocks compiled (fullgraph), a gate that switches Skip-Softmax on mid-run, its
+    tile maps reused at the step after, and two pipeline calls: exactly one graph. Why one: every block of both experts has the same structure and
     shapes, and what differs between blocks (weights, the planned calls) or between steps (the skip value, filled
     in place by the planner) reaches the graph as tensor inputs, never as a guarded Python constant; a second
     call changes nothing either."""
     pipe = tiny_wan22_pipeline()
     pipe.set_progress_bar_config(disable=True)
-    gate = 0.6  # 4 steps from t = 1: dense while t > 0.6, then skipping; the experts switch at t = 0.875
+    gate = 0.8  # 4 steps from t = 1: dense while t > 0.8, then skipping; the experts switch at t = 0.875
     config = {"default": {"backend": "TORCH_REFERENCE",
-                          "skip_softmax": {"threshold": 0.3, "disabled_until_timestep": gate}}}
+                          "skip_softmax": {"threshold": 0.3, "disabled_until_timestep": gate, "reuse_steps": 1}}}
 
     def generate():
         return pipe("a fox", height=32, width=32, num_frames=1, num_inference_steps=4, output_type="latent",
@@ -146,7 +146,8 @@ def test_two_expert_pipeline_compiles_one_graph_for_every_block(backend):
     with enable_trtllm_attention(pipe, config) as handle:
         eager = generate()
         modes = {step: set(m) for step, m in handle.stats.modes().items()}
-        assert modes[0] == {"TORCH_REFERENCE:dense"} and modes[3] == {"TORCH_REFERENCE:skip"}  # the gate switched
+        assert modes[0] == {"TORCH_REFERENCE:dense"} and modes[2] == {"TORCH_REFERENCE:skip"}  # the gate switched
+        assert modes[3] == {"TORCH_REFERENCE:skip+reuse"}  # and the maps of step 2 were reused
         torch._dynamo.reset()
         dynamo_utils.counters.clear()
         for transformer in (pipe.transformer, pipe.transformer_2):
