@@ -396,6 +396,26 @@ def test_hopper_route_fills_lse_map_and_both_counts(interpreted):
     assert int(got["second"]["total_tiles"]) == int(got["first"]["total_tiles"])
 
 
+def test_hopper_route_agrees_with_the_reference_backend_tile_by_tile(interpreted, monkeypatch):
+    """The package's own reference (``TORCH_REFERENCE`` with the same plan, as on an sm_90 GPU: the Triton kernel's
+    tile and sampling rule) makes the same maps and counts over a fresh and a reusing call, and the same output to
+    the SAGE rounding."""
+    from diffusers_trtllm.backends import base, trtllm
+    cases, results = interpreted
+    qkv, got = cases["backend"][1]["qkv"], results["backend"]
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
+    reference = base.get_backend("TORCH_REFERENCE")
+    tile_map = _empty_map(qkv, got["tile"])
+    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=AttnQuantSpec("int8"), skip_factor=30.0, count_skips=True,
+                      return_lse=True, reuse=True, tile_map=tile_map)
+    for name, kernel_map in (("first", got["first_map"]), ("second", got["second_map"])):
+        expected = reference.run(qkv, plan)
+        assert torch.equal(expected.tile_map, kernel_map), name
+        assert int(expected.skipped_tiles) == int(got[name]["skipped_tiles"]), name
+        assert int(expected.reused_tiles) == int(got[name]["reused_tiles"]), name
+        assert _rel(got[name]["out"].float(), expected.out.float()) < 2e-2, name
+
+
 def test_wrong_map_or_lse_is_refused_before_launch():
     qkv = _random_qkv((40,), (40,), 2, 2)
     z = triton_sage.SageQuantized(qkv.q, torch.ones(2, 40), qkv.k, torch.ones(2, 40), qkv.v, qkv.v, 1, 1)
