@@ -10,6 +10,7 @@ from pathlib import Path
 import diffusers.hooks.hooks
 import torch
 
+from diffusers_trtllm.backends.base import VarlenQKV
 from diffusers_trtllm.tiny_pipelines import TINY_TEXT_DIM, TINY_TEXT_LEN, tiny_cosmos3_pipeline, tiny_wan_transformer
 
 #: diffusers' ``cache_context`` publishes the step index and sigma (0.41 and later); 0.40 publishes the name only
@@ -179,3 +180,22 @@ def run_together(jobs: dict) -> dict:
         t.join()
     assert not errors, errors
     return results
+
+
+def peaky_qkv(seqlens_q, seqlens_kv, heads_q: int, heads_kv: int, seed: int | None = 4, k_mean: bool = False):
+    """bf16 CUDA inputs where each query favours keys near its own position (position features shared by Q and K
+    over noise): tiles far from a query tile are negligible at moderate λ, near ones are not, few sit at the
+    threshold. ``seed`` None: fresh random inputs; ``k_mean``: K offset by a per-head mean (for SAGE's smoothing)."""
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.seed()) % 2**31 if seed is None else seed)
+    freqs = torch.logspace(-3, -0.5, 64, device="cuda")[None, :]
+
+    def rows(lengths, heads):
+        pos = torch.cat([torch.arange(n, device="cuda", dtype=torch.float32) for n in lengths])[:, None]
+        feature = torch.cat([torch.sin(pos * freqs), torch.cos(pos * freqs)], 1)[:, None]
+        return (feature + 0.3 * torch.randn(pos.shape[0], heads, 128, device="cuda", generator=gen)) * 2
+
+    v = torch.randn(sum(seqlens_kv), heads_kv, 128, device="cuda", generator=gen)
+    q, k = rows(seqlens_q, heads_q), rows(seqlens_kv, heads_kv)
+    if k_mean:
+        k = k + torch.randn(1, heads_kv, 128, device="cuda", generator=gen)
+    return VarlenQKV(q.bfloat16(), k.bfloat16(), v.bfloat16(), tuple(seqlens_q), tuple(seqlens_kv))

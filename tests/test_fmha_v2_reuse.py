@@ -15,6 +15,8 @@ from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV, pack_tile_map,
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.kernels import fmha_v2_sage
 
+from helpers import peaky_qkv
+
 fmha_library = pytest.importorskip("flashinfer.jit.attention.fmha_v2.fmha_library")
 
 SCALE = 128 ** -0.5
@@ -152,19 +154,6 @@ def _hopper():
         pytest.skip("needs an sm_90 GPU")
 
 
-def _peaky(seqlens_q, seqlens_kv, heads_q, heads_kv, seed=4):
-    """Position features shared by Q and K over noise (each query favours keys near its own position): tiles far
-    from a query tile are negligible at moderate λ, near ones are not (tests/test_fmha_v2_skip_counts.py's data)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    freqs = torch.logspace(-3, -0.5, 64, device="cuda")[None, :]
-
-    def rows(lengths, heads):
-        pos = torch.cat([torch.arange(n, device="cuda", dtype=torch.float32) for n in lengths])[:, None]
-        feature = torch.cat([torch.sin(pos * freqs), torch.cos(pos * freqs)], 1)[:, None]
-        return ((feature + 0.3 * torch.randn(pos.shape[0], heads, 128, device="cuda", generator=gen)) * 2).bfloat16()
-
-    v = torch.randn(sum(seqlens_kv), heads_kv, 128, device="cuda", generator=gen).bfloat16()
-    return VarlenQKV(rows(seqlens_q, heads_q), rows(seqlens_kv, heads_kv), v, tuple(seqlens_q), tuple(seqlens_kv))
 
 
 def _rel(a, b):
@@ -207,7 +196,7 @@ SHAPES = {"self": ((1100, 300, 2112), (1100, 300, 2112)), "fewer-queries": ((600
 @pytest.mark.parametrize("lengths", SHAPES.values(), ids=SHAPES.keys())
 def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths):
     _hopper()
-    qkv = _peaky(*lengths, 8, 2)
+    qkv = peaky_qkv(*lengths, 8, 2)
     fresh = run_backend("TRTLLM_ATTN", qkv, _plan(300.0))
     today = run_backend("TRTLLM_ATTN", qkv, KernelPlan("TRTLLM_ATTN", SCALE, quant=FP8, skip_factor=300.0,
                                                        tile=fmha_v2_sage.SKIP_TILE, count_skips=True))
@@ -224,7 +213,7 @@ def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths
 @pytest.mark.parametrize("lengths", SHAPES.values(), ids=SHAPES.keys())
 def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths):
     _hopper()
-    qkv = _peaky(*lengths, 8, 2)
+    qkv = peaky_qkv(*lengths, 8, 2)
     # the previous step's map at a larger λ: it skips tiles this step's test would keep
     entry = run_backend("TRTLLM_ATTN", qkv, _plan(600.0)).tile_map
     kernel = run_backend("TRTLLM_ATTN", qkv, _plan(300.0, entry.clone()))
@@ -243,7 +232,7 @@ def test_gpu_steps_every_query_tile_reuses_are_never_read():
     """K and V of the 256-key steps that every query tile reuses whole are set to NaN after quantization: the
     output is bit for bit the one with intact K and V, so those steps were neither loaded nor multiplied."""
     _hopper()
-    qkv = _peaky((2000, 1500), (2000, 1500), 4, 2)
+    qkv = peaky_qkv((2000, 1500), (2000, 1500), 4, 2)
     cu, heads = qkv.cu_seqlens("kv"), qkv.q.shape[1]
     packed = fmha_v2_sage.sage_quantize_packed(qkv.q, qkv.k, qkv.v, cu, max(qkv.seqlens_kv), 0)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, heads)
@@ -276,7 +265,7 @@ def test_gpu_steps_every_query_tile_reuses_are_never_read():
 @pytest.mark.gpu
 def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
     _hopper()
-    qkv = _peaky((1100, 300, 2112), (1100, 300, 2112), 8, 2, seed=6)
+    qkv = peaky_qkv((1100, 300, 2112), (1100, 300, 2112), 8, 2, seed=6)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 8)
     tiles = torch.rand(shape[:3] + (_kv_tiles(qkv),), generator=torch.Generator().manual_seed(7)) < 0.5
     entry = _map_of(tiles, qkv)

@@ -18,7 +18,7 @@ from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.kernels import fmha_v2_sage
-from helpers import load_script
+from helpers import load_script, peaky_qkv
 
 SCALE = 128 ** -0.5
 FP8 = AttnQuantSpec("fp8_e4m3")
@@ -95,19 +95,6 @@ def test_skip_counts_of_another_shape_or_dtype_are_refused_before_any_work(count
 # ---------------------------------------------------------------- GPU: the kernel's count
 
 
-def _peaky(seqlens_q, seqlens_kv, heads_q, heads_kv):
-    """Position features shared by Q and K (each query favours keys near its own position) over noise: tiles far
-    from a query's position are negligible at moderate λ, near ones are not, few sit at the threshold."""
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    freqs = torch.logspace(-3, -0.5, 64, device="cuda")[None, :]
-
-    def rows(lengths, heads):
-        pos = torch.cat([torch.arange(n, device="cuda", dtype=torch.float32) for n in lengths])[:, None]
-        feature = torch.cat([torch.sin(pos * freqs), torch.cos(pos * freqs)], 1)[:, None]
-        return ((feature + 0.3 * torch.randn(pos.shape[0], heads, 128, device="cuda", generator=gen)) * 2).bfloat16()
-
-    v = torch.randn(sum(seqlens_kv), heads_kv, 128, device="cuda", generator=gen).bfloat16()
-    return VarlenQKV(rows(seqlens_q, heads_q), rows(seqlens_kv, heads_kv), v, tuple(seqlens_q), tuple(seqlens_kv))
 
 
 @pytest.mark.gpu
@@ -119,7 +106,7 @@ def _peaky(seqlens_q, seqlens_kv, heads_q, heads_kv):
 def test_gpu_the_kernels_skipped_tiles_are_the_references(k_block, kv_step, seqlens_q, seqlens_kv):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
-    qkv = _peaky(seqlens_q, seqlens_kv, 8, 2)
+    qkv = peaky_qkv(seqlens_q, seqlens_kv, 8, 2)
     skip_factor = 300.0
     counts = torch.zeros(1, dtype=torch.int32, device="cuda")
     fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), seqlens_kv, SCALE,

@@ -24,6 +24,7 @@ from diffusers_trtllm.kernels.flashinfer_calls import (FMHA_V2, TRTLLM_GEN, buil
                                                        fmha_v2_stats_lse, trtllm_gen_call)
 from test_flashinfer_calls import on_arch, recording  # noqa: F401 - the fixture
 from test_hopper_dense_kernel import _signature_from_source
+from helpers import peaky_qkv
 
 SCALE = 0.1  # not 1 / sqrt(128): FMHAv2 stores its max divided by sqrt(d) whatever the scale
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -227,18 +228,7 @@ def _hopper():
 
 def _peaky(seqlens_q, seqlens_kv, heads_q, heads_kv):
     """Fresh random position-correlated inputs (so Skip-Softmax skips some tiles) with a K mean to smooth."""
-    gen = torch.Generator(device="cuda").manual_seed(int(torch.seed()) % 2**31)
-    freqs = torch.logspace(-3, -0.5, 64, device="cuda")[None, :]
-
-    def rows(lengths, heads):
-        pos = torch.cat([torch.arange(n, device="cuda", dtype=torch.float32) for n in lengths])[:, None]
-        feature = torch.cat([torch.sin(pos * freqs), torch.cos(pos * freqs)], 1)[:, None]
-        return (feature + 0.3 * torch.randn(pos.shape[0], heads, 128, device="cuda", generator=gen)) * 2
-
-    k = rows(seqlens_kv, heads_kv) + torch.randn(1, heads_kv, 128, device="cuda", generator=gen)
-    v = torch.randn(sum(seqlens_kv), heads_kv, 128, device="cuda", generator=gen)
-    return VarlenQKV(rows(seqlens_q, heads_q).bfloat16(), k.bfloat16(), v.bfloat16(), tuple(seqlens_q),
-                     tuple(seqlens_kv))
+    return peaky_qkv(seqlens_q, seqlens_kv, heads_q, heads_kv, seed=None, k_mean=True)
 
 
 GPU_CASES = {  # route, quant, skip factor, lse tolerance (abs., nats)
