@@ -315,6 +315,12 @@ class CallPlanner:
                 f"{site.component!r} has no Skip-Softmax calibration: load a calibrated checkpoint (its config.json "
                 "carries 'sparse_attention_config'), run diffusers_trtllm.calibrate(pipe, prompts, ...), pass "
                 "calibrations={...}, or set skip_softmax.threshold (λ) instead")
+        if (calibration.reuse_steps or 0) != skip.reuse_steps:
+            self.warn_once(f"reuse-{site.component}", (
+                f"skip_softmax.reuse_steps={skip.reuse_steps} but {site.component!r}'s Skip-Softmax curve was "
+                f"calibrated with reuse_steps={calibration.reuse_steps or 0}: target_sparsity "
+                f"{skip.target_sparsity} lands off that curve; calibrate with the reuse_steps you run "
+                "(calibrate(..., reuse_steps=...))"))
         observed = calibration.sparsity_range
         if observed is not None and not observed[0] <= skip.target_sparsity <= observed[1]:
             self.warn_once(f"extrapolate-{site.component}", (

@@ -198,7 +198,7 @@ def calibrate(pipe, prompts: str | Sequence[str], *, height: int, width: int, nu
             ignore=tuple(layer for layer in layers if layer not in sparse_layers),
             targets=tuple(sorted({type(modules[layer]).__name__ for layer in sparse_layers})),
             target_sparsity=target_sparsity,
-            disabled_until_timestep=disabled_until_timestep or None)
+            disabled_until_timestep=disabled_until_timestep or None, reuse_steps=reuse_steps or None)
         fits[component] = ComponentFit(calibration, marked, r_squared, tuple(sorted(sparse_layers)), component)
         if target_sparsity is not None and not min(used) <= target_sparsity <= max(used):
             warn_user(f"{component}: the checkpoint will suggest target_sparsity={target_sparsity}, outside the "

@@ -108,7 +108,7 @@ def test_other_modelopt_algorithms_are_ignored_with_a_warning(caplog):
 
 def test_write_then_read_round_trip(tmp_path):
     cal = SkipCalibration(a=0.05, b=19.0, ignore=("blocks.0.attn2",), targets=("WanAttention",),
-                          target_sparsity=0.3, disabled_until_timestep=0.9)
+                          target_sparsity=0.3, disabled_until_timestep=0.9, reuse_steps=2)
     (tmp_path / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel"}))
     write_calibration(tmp_path, cal, {"observed_sparsity": [0.1, 0.45]})
     config = json.loads((tmp_path / "config.json").read_text())
@@ -118,8 +118,9 @@ def test_write_then_read_round_trip(tmp_path):
                                                "prefill": {"a": 0.05, "b": 19.0}}
     loaded = load_calibration(tmp_path)
     assert (loaded.a, loaded.b, loaded.ignore, loaded.targets) == (cal.a, cal.b, cal.ignore, cal.targets)
-    assert (loaded.target_sparsity, loaded.disabled_until_timestep) == (0.3, 0.9)
+    assert (loaded.target_sparsity, loaded.disabled_until_timestep, loaded.reuse_steps) == (0.3, 0.9, 2)
     assert loaded.sparsity_range == (0.1, 0.45)
+    assert group["reuse_steps"] == 2
 
 
 def test_loaded_pipeline_carries_the_curve_into_the_session(tmp_path):

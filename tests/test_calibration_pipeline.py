@@ -9,6 +9,7 @@ attention's: KV tiles before the diagonal are never below the running max), a sm
 """
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -194,6 +195,7 @@ def test_the_reuse_curve_is_what_reuse_achieves():
         result = calibrate(pipe, PROMPTS[0], lambdas=lambdas, reuse_steps=reuse_steps, fit_range=(0.0, 1.0),
                            progress=False, **SHAPE)
         assert result.settings["calibration"]["reuse_steps"] == reuse_steps
+        assert {fit.calibration.reuse_steps for fit in result.fits.values()} == {reuse_steps or None}
         curves[reuse_steps] = {(c, p["lambda"]): p["sparsity"] for c, fit in result.fits.items() for p in fit.points}
     assert all(curves[2][key] >= curves[0][key] for key in curves[0])
     assert any(curves[2][key] > curves[0][key] + 0.01 for key in curves[0])
@@ -210,6 +212,21 @@ def test_the_reuse_curve_is_what_reuse_achieves():
                     tiles[1] += record.total
         for component, (skipped, total) in counts.items():
             assert abs(skipped / total - curves[2][(component, lam)]) < 0.01, (component, lam)
+
+
+def test_a_curve_run_with_another_reuse_steps_than_calibrated_warns():
+    pipe = calibration_pipeline()
+    result = calibrate(pipe, PROMPTS[0], lambdas=(1e-3, 1e-2, 1e-1), reuse_steps=2, fit_range=(0.0, 1.0),
+                       progress=False, **SHAPE)
+    calibrations = {c: fit.calibration for c, fit in result.fits.items()}
+    for reuse_steps, warned in ((0, True), (2, False)):
+        config = {"default": {"backend": "TORCH_REFERENCE",
+                              "skip_softmax": {"target_sparsity": 0.3, "reuse_steps": reuse_steps}}}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            enable_trtllm_attention(pipe, config, calibrations=calibrations).restore()
+        messages = [str(w.message) for w in caught if "calibrated with reuse_steps=2" in str(w.message)]
+        assert bool(messages) == warned, (reuse_steps, messages)
 
 
 def test_reuse_steps_is_checked_before_any_work():

@@ -108,7 +108,8 @@ def parse_sparse_attention_config(data, *, where: str = CONFIG_KEY,
         ignore=_strings(group.get("ignore", []), f"{path}.ignore"),
         targets=_strings(group.get("targets", []), f"{path}.targets"),
         target_sparsity=_target_sparsity(group.get("target_sparsity"), f"{path}.target_sparsity"),
-        disabled_until_timestep=_unit(group.get("disabled_until_timestep"), f"{path}.disabled_until_timestep"))
+        disabled_until_timestep=_unit(group.get("disabled_until_timestep"), f"{path}.disabled_until_timestep"),
+        reuse_steps=_steps(group.get("reuse_steps"), f"{path}.reuse_steps"))
 
 
 def _coefficients(data: Mapping, path: str, group: Mapping, where: str) -> tuple[float, float]:
@@ -153,6 +154,12 @@ def _a_b(params, path: str) -> tuple[float, float]:
 
 def _unit(value, path: str) -> float | None:
     return None if value is None else finite_number(path, value, 0.0, 1.0)
+
+
+def _steps(value, path: str) -> int | None:
+    if value is None or (type(value) is int and value >= 0):
+        return value
+    raise invalid(path, value, "an int >= 0")
 
 
 def _target_sparsity(value, path: str) -> float | None:
@@ -242,7 +249,8 @@ def _read_sidecar(component_dir: Path) -> dict | None:
 
 def sparse_attention_config(calibration: SkipCalibration, *, producer: Mapping | None = None) -> dict:
     """``calibration`` in ModelOpt 0.45+'s schema (what ``export_hf_checkpoint`` writes), plus
-    ``disabled_until_timestep`` when set (as in NVIDIA's Wan 2.2 checkpoint; ModelOpt's reader ignores it)."""
+    ``disabled_until_timestep`` when set (as in NVIDIA's Wan 2.2 checkpoint; ModelOpt's reader ignores it) and
+    ``reuse_steps`` for a curve of Skip-Softmax reuse (this package's; ModelOpt's reader ignores it too)."""
     group = {"algorithm": "skip_softmax", "targets": list(calibration.targets)}
     if calibration.ignore:
         group["ignore"] = list(calibration.ignore)
@@ -251,6 +259,8 @@ def sparse_attention_config(calibration: SkipCalibration, *, producer: Mapping |
         group["target_sparsity"] = {"prefill": calibration.target_sparsity}
     if calibration.disabled_until_timestep is not None:
         group["disabled_until_timestep"] = calibration.disabled_until_timestep
+    if calibration.reuse_steps:
+        group["reuse_steps"] = calibration.reuse_steps
     return {"config_groups": {"group_0": group},
             "producer": dict(producer or {"name": "diffusers_trtllm", "version": __version__})}
 

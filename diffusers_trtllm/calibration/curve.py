@@ -19,6 +19,7 @@ class SkipCalibration:
     (``blocks.0.attn2``) that stay dense when ``target_sparsity`` is used; ``targets`` the attention class names
     the curve was calibrated on (empty: any). ``target_sparsity`` / ``disabled_until_timestep`` are the
     checkpoint's suggested settings, read and written with it; the user's attention config decides what runs.
+    ``reuse_steps``: the Skip-Softmax reuse the curve was measured with (None or 0: without reuse).
     ``dense_layers`` is filled by :meth:`bind`: the layers of one transformer whose class is not a target.
     """
 
@@ -30,6 +31,7 @@ class SkipCalibration:
     targets: tuple[str, ...] = ()
     target_sparsity: float | None = None
     disabled_until_timestep: float | None = None
+    reuse_steps: int | None = None
     dense_layers: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __post_init__(self):
@@ -40,6 +42,8 @@ class SkipCalibration:
             value = getattr(self, name)
             if value is not None:
                 finite_number(f"calibration.{name}", value, 0.0, 1.0, valid="a finite number in [0, 1] or None")
+        if self.reuse_steps is not None and (type(self.reuse_steps) is not int or self.reuse_steps < 0):
+            raise invalid("calibration.reuse_steps", self.reuse_steps, "an int >= 0 or None")
         if self.sparsity_range is not None:
             lo_hi = tuple(self.sparsity_range)
             if len(lo_hi) != 2 or not all(map(is_finite_number, lo_hi)) or not 0.0 <= lo_hi[0] <= lo_hi[1] <= 1.0:
