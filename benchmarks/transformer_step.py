@@ -60,8 +60,9 @@ NO_ATTENTION_LABEL = "attention removed"
 DIFFUSERS_LABEL = "diffusers default processors"
 DIFFUSERS_EAGER_LABEL = "diffusers default processors, eager"
 DEFAULT_LAMBDAS = (0.066, 0.5)  # factor 5,000 at 75,600 keys (DESIGN.md's Hopper probe), and a large one
-GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none", "diffusers", "diffusers_eager")
+GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "sage_reuse", "none", "diffusers", "diffusers_eager")
 SAGE_DTYPES = ("int8", "fp8_e4m3")
+REUSE_STEPS = 1_000  # the sage_reuse row: tile maps reused by every call after the one that made them
 DEFAULT_GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none")
 
 
@@ -121,6 +122,10 @@ def bench_configs(entry: ModelEntry, groups, lambdas, feature_backend: str, on_c
     if "sage_skip" in groups:
         configs.append(BenchConfig(f"{feature_backend} SAGE fp8_e4m3 + skip λ={lambdas[-1]:g}",
                                    trt(skip={"threshold": lambdas[-1]}, quant=AttnQuantSpec(dtype_qk="fp8_e4m3"))))
+    if "sage_reuse" in groups:  # every timed call a reusing step: the calls are successive steps of one run
+        configs.append(BenchConfig(f"{feature_backend} SAGE fp8_e4m3 + skip λ={lambdas[-1]:g} + reuse",
+                                   trt(skip={"threshold": lambdas[-1], "reuse_steps": REUSE_STEPS},
+                                       quant=AttnQuantSpec(dtype_qk="fp8_e4m3"))))
     if "none" in groups:
         configs.append(BenchConfig(NO_ATTENTION_LABEL, sdpa, no_attention))
     return configs
@@ -179,7 +184,7 @@ def time_config(model, run: SpeedRun, inputs: dict, bench: BenchConfig, repeats:
             compiled_blocks(model, run.blocks_attr, compile_blocks):
         row.ran = what_ran(handle)
         start = time.perf_counter()
-        with first_block_only(model, run.blocks_attr):
+        with first_block_only(model, run.blocks_attr), step_of_one_run(model):
             model(**inputs)
         synchronize(device)
         if compile_blocks:
@@ -188,12 +193,19 @@ def time_config(model, run: SpeedRun, inputs: dict, bench: BenchConfig, repeats:
             torch.cuda.reset_peak_memory_stats(device)
         with TransformerTimer({"transformer": model}) as timer:
             for _ in range(repeats):
-                model(**inputs)
+                with step_of_one_run(model):
+                    model(**inputs)
         row.calls_ms = [s * 1e3 for s in timer.seconds()]
     row.ms = statistics.median(row.calls_ms)
     if device.type == "cuda":
         row.peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
     return row
+
+
+def step_of_one_run(model):
+    """Each call a step of one run, as a pipeline's denoising loop makes them (the name-only ``cache_context``
+    channel: the name seen again is the next step), so Skip-Softmax reuse reuses the last call's tile maps."""
+    return model.cache_context("cond") if hasattr(model, "cache_context") else contextlib.nullcontext()
 
 
 def what_ran(handle) -> str:
