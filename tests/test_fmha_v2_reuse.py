@@ -236,9 +236,9 @@ def test_gpu_steps_every_query_tile_reuses_are_never_read():
     cu, heads = qkv.cu_seqlens("kv"), qkv.q.shape[1]
     packed = fmha_v2_sage.sage_quantize_packed(qkv.q, qkv.k, qkv.v, cu, max(qkv.seqlens_kv), 0)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, heads)
-    gen = torch.Generator().manual_seed(5)
-    # whole steps of every sequence (not its first, which is always loaded), each query tile reusing them
-    steps = [s for s in range(1, min(qkv.seqlens_kv) // 256) if torch.rand(1, generator=gen) < 0.4]
+    # whole steps of every sequence (not its first, which is always loaded), each query tile reusing them: every
+    # other step from the second, so neighbours loaded and not alternate (the H200 run of a random choice drew one)
+    steps = list(range(1, min(qkv.seqlens_kv) // 256, 2))
     tiles = torch.zeros(shape[:3] + (_kv_tiles(qkv),), dtype=torch.bool)
     for s in steps:
         tiles[..., 2 * s:2 * s + 2] = True
@@ -259,7 +259,8 @@ def test_gpu_steps_every_query_tile_reuses_are_never_read():
             poisoned.qk[start + 256 * s:start + 256 * s + 256, heads:] = nan
             poisoned.v_t[:, :, v_start + 256 * s:v_start + 256 * s + 256] = nan
     out, counts = run(poisoned)
-    assert len(steps) >= 2 and torch.equal(out, clean) and torch.equal(counts, clean_counts)
+    assert len(steps) >= 2
+    assert torch.equal(out, clean) and torch.equal(counts, clean_counts)
 
 
 @pytest.mark.gpu
