@@ -351,6 +351,21 @@ def test_trtllm_attn_reuses_on_hoppers_sage_kernels_and_refuses_elsewhere_naming
     assert KernelResult(torch.zeros(1)).reused_tiles is None
 
 
+def test_fmha_v2s_reuse_is_held_back_at_install_until_asked_for(monkeypatch):
+    """The FMHAv2 tile-map kernel stalled on its first full-size run: planning it for a site needs the opt-in,
+    and the refusal names the Triton route and the variable."""
+    monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
+    monkeypatch.setattr(trtllm, "flashinfer_unavailable_reason", lambda function: None)
+    monkeypatch.delenv(trtllm.FMHA_V2_REUSE_ENV, raising=False)
+    qkv = VarlenQKV(*(torch.zeros(256, 2, 128, dtype=torch.bfloat16) for _ in range(3)), (256,), (256,))
+    plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, quant=AttnQuantSpec("fp8_e4m3"), reuse=True)
+    reason = trtllm.unavailable_reason(plan, qkv)
+    assert "held back" in reason and "int8" in reason and f"{trtllm.FMHA_V2_REUSE_ENV}=1" in reason
+    assert trtllm.unavailable_reason(KernelPlan(**{**plan.__dict__, "reuse": False}), qkv) is None
+    monkeypatch.setenv(trtllm.FMHA_V2_REUSE_ENV, "1")
+    assert trtllm.unavailable_reason(plan, qkv) is None
+
+
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
 def test_reuse_steps_must_be_a_whole_number_of_steps(value):
     with pytest.raises(AttentionConfigError, match=r"skip_softmax.reuse_steps=.* is invalid: expected an int >= 0"):

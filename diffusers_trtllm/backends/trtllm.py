@@ -67,7 +67,8 @@ import torch
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..config import AUTO, CUDNN, DENSE_KERNELS, FLASH_ATTN4, FMHA_V2_DENSE, QK_DTYPES, TRTLLM_ATTN, AttnQuantSpec
+from ..config import (AUTO, CUDNN, DENSE_KERNELS, FLASH_ATTN4, FMHA_V2_DENSE, QK_DTYPES, TRTLLM_ATTN, AttnQuantSpec,
+                      env_switch)
 from ..errors import BackendUnavailableError, invalid
 from ..kernels import flash_attn4, fmha_v2_sage, triton_sage
 from ..kernels.flashinfer_calls import FMHA_V2, SAGE_QUANTIZE, TRTLLM_GEN
@@ -266,6 +267,10 @@ def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, more_queries_th
             "unset for the fastest")
 
 
+#: Opt-in to the FMHAv2 SAGE tile-map kernel, held back at install until it completes a full-size GPU run: its first
+#: H200 run passed its tests at their sizes, but a benchmark at Wan's 75,600 tokens stalled (benchmarks/RESULTS.md)
+FMHA_V2_REUSE_ENV = "DIFFUSERS_TRTLLM_FMHA_V2_REUSE"
+
 #: What runs Skip-Softmax reuse, for the reason a plan that cannot gives
 REUSE_KERNELS = ("Skip-Softmax reuse (skip_softmax.reuse_steps) runs on Hopper's SAGE kernels, FMHAv2 (fp8_e4m3, "
                  "Q block 64, the default K block, no log-sum-exp) and Triton (int8, or Q/K blocks 1, 4, 16), and on "
@@ -288,6 +293,18 @@ def reuse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
         what = f"K block {quant.k_block_size}" if quant.k_block_size else "the log-sum-exp"
         return f"{REUSE_KERNELS} (this plan asks for {what})"
     return None
+
+
+def _held_back_reuse_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
+    """Why a reuse plan on the FMHAv2 SAGE route is not chosen now (:data:`FMHA_V2_REUSE_ENV`), or None. Read when
+    a site is planned; a planned call runs what was chosen."""
+    if not plan.reuse or plan.quant is None or gpu_arch(qkv.q.device) not in FMHA_V2_ARCHS or \
+            _hopper_sage_kernel(plan.quant, qkv.more_queries_than_keys) != "fmha_v2" or env_switch(FMHA_V2_REUSE_ENV):
+        return None
+    return ("Skip-Softmax reuse on the FMHAv2 SAGE kernel is held back until it completes a full-size GPU run (its "
+            "first stalled at Wan's shape: benchmarks/RESULTS.md); reuse runs on the Triton SAGE kernel "
+            f"(quant.dtype_qk int8, or q/k blocks {list(TRITON_SAGE_BLOCKS)}), or set {FMHA_V2_REUSE_ENV}=1 to run "
+            "FMHAv2's")
 
 
 def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
@@ -331,7 +348,7 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     """``None`` when TRTLLM_ATTN can run ``plan`` on ``qkv`` on their device, else a sentence saying why not
     (the device first: on a machine without a supported GPU, that is the reason whatever the call)."""
     reason = (device_unavailable_reason(qkv.q.device) or _common_reason(plan, qkv)
-              or reuse_unavailable_reason(plan, qkv))
+              or reuse_unavailable_reason(plan, qkv) or _held_back_reuse_reason(plan, qkv))
     if reason is not None:
         return reason
     arch = gpu_arch(qkv.q.device)
