@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diffusers_trtllm.kernels import triton_sage  # noqa: E402
+from diffusers_trtllm.kernels.numerics import TILE_MAP_BITS  # noqa: E402
 
 SCALE = 128 ** -0.5
 TILE = (triton_sage.DENSE_LAUNCH.block_m, triton_sage.DENSE_LAUNCH.block_n)  # sm_90's skip tile
@@ -46,7 +47,7 @@ def random_tile_map(seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], hea
     """A tile map (``triton_sage.tile_map_shape``) with each of a sequence's (head, query tile, KV tile) set with
     probability ``sparsity``, KV tile 0 never; bits past a sequence's tiles 0."""
     batch, _, q_tiles, words = triton_sage.tile_map_shape(seqlens_q, seqlens_kv, heads, tile)
-    bits = triton_sage.MAP_WORD_BITS
+    bits = TILE_MAP_BITS
     gen = torch.Generator().manual_seed(seed)
     chosen = torch.rand(batch, heads, q_tiles, words * bits, generator=gen) < sparsity
     chosen[..., 0] = False

@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..config import AttnQuantSpec, env_switch
+from ..kernels.numerics import TILE_MAP_BITS, tile_map_shape
 
 DEFAULT_TILE = (128, 128)  # (query rows, key columns) per skip decision: FMHAv2's granularity on Hopper
 
@@ -158,18 +159,6 @@ class KernelResult:
     #: the tiles it skipped by reuse (``skipped_tiles`` then counts those skipped by the test only)
     tile_map: torch.Tensor | None = None
     reused_tiles: int | torch.Tensor | None = None
-
-
-#: bits per word of a tile map
-TILE_MAP_BITS = 32
-
-
-def tile_map_shape(seqlens_q, seqlens_kv, heads_q: int, tile: tuple[int, int]) -> tuple[int, int, int, int]:
-    """``[batch, heads_q, query tiles, words]`` of the tile map of a batch with these lengths deciding skips per
-    ``tile`` (query rows, keys): one bit per KV tile, :data:`TILE_MAP_BITS` to an int32 word."""
-    q_tiles = -(-max(seqlens_q) // tile[0])
-    kv_tiles = -(-max(seqlens_kv) // tile[1])
-    return len(seqlens_q), heads_q, q_tiles, -(-kv_tiles // TILE_MAP_BITS)
 
 
 def tile_map_for(plan: KernelPlan, qkv: VarlenQKV, tile: tuple[int, int]) -> torch.Tensor | None:

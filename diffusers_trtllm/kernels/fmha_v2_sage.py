@@ -51,7 +51,7 @@ import torch
 from . import triton_sage
 from .flashinfer_calls import fmha_v2_stats_lse
 from .flashinfer_fmha import drop_padded_queries
-from .numerics import HEAD_DIM, smoothing_lse_shift
+from .numerics import HEAD_DIM, smoothing_lse_shift, tile_map_shape as numerics_tile_map_shape
 
 logger = logging.getLogger("diffusers_trtllm")
 
@@ -492,10 +492,9 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 
 def tile_map_shape(seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], heads_q: int) -> tuple[int, ...]:
-    """``[B, Hq, query tiles, words]`` of the tile map of a batch with these lengths (host ints): one bit per
-    :data:`SKIP_TILE` tile, 32 to an int32 word."""
-    rows, keys = SKIP_TILE
-    return len(seqlens_q), heads_q, -(-max(seqlens_q) // rows), -(-(-(-max(seqlens_kv) // keys)) // 32)
+    """``[B, Hq, query tiles, words]`` of the tile map of a batch with these lengths: one bit per :data:`SKIP_TILE`
+    tile (:func:`~.numerics.tile_map_shape`)."""
+    return numerics_tile_map_shape(seqlens_q, seqlens_kv, heads_q, SKIP_TILE)
 
 
 def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int, ...],

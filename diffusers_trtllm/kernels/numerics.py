@@ -42,3 +42,14 @@ def smoothing_lse_shift(q: torch.Tensor, k_mean: torch.Tensor, scale: float, row
         rows = q[start:start + rows_per_chunk].float().transpose(0, 1)  # [Hq, rows, D]
         shift[start:start + rows_per_chunk] = torch.bmm(rows, mean)[..., 0].T * scale
     return shift
+
+
+#: KV tiles per int32 word of a Skip-Softmax tile map (bit ``j % 32`` of word ``j // 32``: KV tile ``j`` skipped)
+TILE_MAP_BITS = 32
+
+
+def tile_map_shape(seqlens_q, seqlens_kv, heads_q: int, tile: tuple[int, int]) -> tuple[int, int, int, int]:
+    """``(batch, heads_q, query tiles, words)`` of the tile map of a batch with these lengths (host ints) whose
+    kernel decides skips per ``tile`` (query rows, keys): one bit per KV tile, :data:`TILE_MAP_BITS` to a word."""
+    kv_tiles = -(-max(seqlens_kv) // tile[1])
+    return len(seqlens_q), heads_q, -(-max(seqlens_q) // tile[0]), -(-kv_tiles // TILE_MAP_BITS)

@@ -15,14 +15,14 @@ Runs where Triton has fp8 tensor-core dots: sm_89 and newer (tuned on sm_90). Un
 kernels run on the CPU (slowly; for tests).
 """
 
-from .attention import (MAP_WORD_BITS, sage_attention_quantized, tile_map_shape, triton_sage_attention,
+from .attention import (sage_attention_quantized, tile_map_shape, triton_sage_attention,
                         triton_sage_unavailable_reason)
 from .launch import (BRANCH_FREE_BELOW, DENSE_LAUNCH, SKIP_PAYS_FROM, SKIP_SAMPLE_WAVES, AttentionLaunch, skip_launch,
                      skip_sample_rule)
 from .quantize import V_TOKEN_ALIGN, QuantizeTargets, SageQuantized, quantize_into, sage_quantize, v_columns
 
 __all__ = [
-    "BRANCH_FREE_BELOW", "DENSE_LAUNCH", "MAP_WORD_BITS", "SKIP_PAYS_FROM", "SKIP_SAMPLE_WAVES", "V_TOKEN_ALIGN",
+    "BRANCH_FREE_BELOW", "DENSE_LAUNCH", "SKIP_PAYS_FROM", "SKIP_SAMPLE_WAVES", "V_TOKEN_ALIGN",
     "AttentionLaunch", "QuantizeTargets", "SageQuantized", "quantize_into", "sage_attention_quantized",
     "sage_quantize", "skip_launch", "skip_sample_rule", "tile_map_shape", "triton_sage_attention",
     "triton_sage_unavailable_reason", "v_columns",

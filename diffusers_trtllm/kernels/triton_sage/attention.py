@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from ..numerics import HEAD_DIM, P_SCALE, head_dim_mismatch
+from ..numerics import HEAD_DIM, P_SCALE, TILE_MAP_BITS, head_dim_mismatch, tile_map_shape
 from ._triton import constexpr, jit, jit_not_specializing, tl, triton
 from .launch import DENSE_LAUNCH, AttentionLaunch, skip_launch, skip_sample_rule
 from .quantize import _V_TOKEN_ALIGN, SageQuantized, sage_quantize
@@ -33,8 +33,7 @@ LOG2E = 1.4426950408889634
 
 _LOG2_P_SCALE = constexpr(math.log2(P_SCALE))
 _LN2 = constexpr(math.log(2.0))
-MAP_WORD_BITS = 32  # KV tiles per word of a tile map
-_MAP_WORD_BITS = constexpr(MAP_WORD_BITS)
+_MAP_WORD_BITS = constexpr(TILE_MAP_BITS)
 
 
 def _interpreting() -> bool:
@@ -163,13 +162,6 @@ def sage_attention_quantized(quantized: SageQuantized, cu_seqlens_q: torch.Tenso
     tq, tk = skip_tile  # the reference's count, also when a dense launch used another tile
     total = heads_q * sum(-(-nq // tq) * -(-nkv // tk) for nq, nkv in zip(seqlens_q, seqlens_kv))
     return out, skipped.to(torch.int64), total  # the total is known on the host: no copy to the device
-
-
-def tile_map_shape(seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], heads_q: int,
-                   tile: tuple[int, int]) -> tuple[int, int, int, int]:
-    """``(batch, heads_q, q_tiles, kv_words)`` of a tile map of ``tile`` for a batch of these lengths."""
-    kv_tiles = -(-max(seqlens_kv) // tile[1])
-    return len(seqlens_q), heads_q, -(-max(seqlens_q) // tile[0]), -(-kv_tiles // MAP_WORD_BITS)
 
 
 def _check_outputs(quantized: SageQuantized, seqlens_q, seqlens_kv, skip_tile, tile_map, reused, lse) -> None:
