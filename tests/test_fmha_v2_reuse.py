@@ -14,6 +14,7 @@ from diffusers_trtllm.backends import run_backend, trtllm
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV, pack_tile_map, unpack_tile_map
 from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.kernels import fmha_v2_sage
+from diffusers_trtllm.kernels.numerics import bits_set
 
 from helpers import peaky_qkv
 
@@ -82,11 +83,11 @@ def test_the_map_shape_follows_the_query_and_key_lengths():
     assert fmha_v2_sage.tile_map_shape((40, 200), (300, 4097), 8) == (2, 8, 4, 2)  # the real queries' tiles only
 
 
-def test_set_bits_counts_every_bit_of_int32_words():
+def test_bits_set_counts_every_bit_of_int32_words():
     words = torch.tensor([[-1, 0], [5, -2 ** 31]], dtype=torch.int32)
-    assert int(fmha_v2_sage.set_bits(words)) == 32 + 2 + 1
+    assert int(bits_set(words).sum()) == 32 + 2 + 1
     skipped = torch.rand(3, 4, 70) < 0.3
-    assert int(fmha_v2_sage.set_bits(pack_tile_map(skipped, 3))) == int(skipped.sum())
+    assert int(bits_set(pack_tile_map(skipped, 3)).sum()) == int(skipped.sum())
 
 
 def test_the_binding_gets_a_copy_of_the_map_and_the_map_itself(monkeypatch):
@@ -115,7 +116,7 @@ def _fake_kernel(monkeypatch, skipped):
 
     def fake(q, k, v, cu_seqlens, seqlens, scale, *, skip_counts=None, tile_map=None, **kwargs):
         seen.update(kwargs, skip_counts=skip_counts, tile_map=tile_map)
-        skip_counts += torch.tensor([skipped, int(fmha_v2_sage.set_bits(tile_map))], dtype=torch.int32)
+        skip_counts += torch.tensor([skipped, int(bits_set(tile_map).sum())], dtype=torch.int32)
         return torch.zeros_like(q)
 
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
@@ -202,7 +203,7 @@ def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths
                                                        tile=fmha_v2_sage.SKIP_TILE, count_skips=True))
     assert torch.equal(fresh.out, today.out)  # no reuse on entry: the same decisions, the same sums
     assert int(fresh.skipped_tiles) == int(today.skipped_tiles) and int(fresh.reused_tiles) == 0
-    assert int(fmha_v2_sage.set_bits(fresh.tile_map)) == int(fresh.skipped_tiles)
+    assert int(bits_set(fresh.tile_map).sum()) == int(fresh.skipped_tiles)
     ref = run_backend("TORCH_REFERENCE", qkv, _plan(300.0))
     assert 0.1 < int(ref.skipped_tiles) / ref.total_tiles < 0.9
     # the reference emulates sm_90's fp8 sums: its decisions are the kernel's (the skip-count test agrees exactly)
@@ -219,7 +220,7 @@ def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths):
     kernel = run_backend("TRTLLM_ATTN", qkv, _plan(300.0, entry.clone()))
     ref = run_backend("TORCH_REFERENCE", qkv, _plan(300.0, entry.clone()))
     plain = run_backend("TRTLLM_ATTN", qkv, _plan(300.0)).out
-    assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(fmha_v2_sage.set_bits(entry)) > 0
+    assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(bits_set(entry).sum()) > 0
     assert abs(int(kernel.skipped_tiles) - int(ref.skipped_tiles)) <= _near_threshold(ref)
     assert _disagreements(kernel.tile_map, ref.tile_map, qkv) <= _near_threshold(ref)
     assert not (entry & ~kernel.tile_map).any()  # every reused tile stays set
@@ -274,7 +275,7 @@ def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
     kernel = run_backend("TRTLLM_ATTN", qkv, _plan(factor, entry.clone()))
     ref = run_backend("TORCH_REFERENCE", qkv, _plan(factor, entry.clone()))
     assert int(kernel.skipped_tiles) == int(ref.skipped_tiles) == 0
-    assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(fmha_v2_sage.set_bits(entry)) > 0
+    assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(bits_set(entry).sum()) > 0
     assert torch.equal(kernel.tile_map, entry) and torch.equal(ref.tile_map, entry)
     assert torch.isfinite(kernel.out).all() and _rel(kernel.out, ref.out) < 5e-3
 

@@ -29,6 +29,7 @@ import math
 import torch
 
 from ..config import TORCH_REFERENCE
+from ..kernels.numerics import bits_set
 from ..quant import SageSemantics, batch_statistics, quantize_p, quantize_sequence
 from .base import (KernelPlan, KernelResult, VarlenQKV, pack_tile_map, register_backend, tile_map_for,
                    unpack_tile_map)
@@ -172,8 +173,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
 def tiles_in_map(tile_map: torch.Tensor) -> torch.Tensor:
     """Set bits per head (int64 ``[H]``) of a sequence's tile map ``[H, query tiles, words]``."""
-    bits = torch.arange(32, device=tile_map.device, dtype=torch.int32)
-    return ((tile_map[..., None] >> bits) & 1).flatten(1).sum(1)
+    return bits_set(tile_map).flatten(1).sum(1)
 
 
 def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, query_chunk, k_mean, v_scale,

@@ -43,8 +43,9 @@ statistics, FlashAttention-4 from its own, trtllm-gen from its base-2 log-sum-ex
 ``scale · q · mean(K)`` is added back. A dense step on the cuDNN route runs FMHAv2 when it must return the
 log-sum-exp (torch SDPA gives none; FMHAv2 is as fast on self-attention); the Triton SAGE kernel writes it too.
 
-Skip-Softmax reuse (``KernelPlan.reuse``, tile maps kept across steps): the Triton SAGE kernel reads a map and skips
-its tiles without loading them (:func:`reuse_unavailable_reason` says which plans run it).
+Skip-Softmax reuse (``KernelPlan.reuse``, tile maps kept across steps): both Hopper SAGE kernels read a map and skip
+its tiles without loading them, FMHAv2's held back at install unless :data:`FMHA_V2_REUSE_ENV` is set
+(:func:`reuse_unavailable_reason` says which plans run it).
 
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
 ``tile=(128, 128)`` predicts them), per 64 × 128 by the FMHAv2 SAGE kernel (both halves of a 256-key step against
@@ -82,9 +83,8 @@ from .base import (ROUTE_KERNEL_SEPARATOR, KernelPlan, KernelResult, VarlenQKV, 
 from .sdpa import SDPA_BACKEND
 
 __all__ = ["CubinUnavailableError", "device_unavailable_reason", "unavailable_reason", "reuse_unavailable_reason",
-           "run", "warmup",
-           "release_workspaces", "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes", "dense_route",
-           "dense_kernel_of"]
+           "run", "warmup", "release_workspaces", "sage_specs_with_kernels", "sage_semantics", "sage_block_sizes",
+           "dense_route", "dense_kernel_of"]
 
 logger = logging.getLogger("diffusers_trtllm")
 

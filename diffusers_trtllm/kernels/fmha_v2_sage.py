@@ -51,7 +51,7 @@ import torch
 from . import triton_sage
 from .flashinfer_calls import fmha_v2_stats_lse
 from .flashinfer_fmha import drop_padded_queries
-from .numerics import HEAD_DIM, smoothing_lse_shift, tile_map_shape as numerics_tile_map_shape
+from .numerics import HEAD_DIM, bits_set, smoothing_lse_shift, tile_map_shape as numerics_tile_map_shape
 
 logger = logging.getLogger("diffusers_trtllm")
 
@@ -480,7 +480,7 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                                   cu_seqlens_q if padded else None, max(seqlens_q) if padded else None)
     stats = torch.empty(k.shape[0], q.shape[1], 2, dtype=torch.float32, device=q.device) if return_lse else None
     if skip_counts is not None and tile_map is not None:
-        skip_counts[1:].add_(set_bits(tile_map).to(torch.int32))  # reused: the bits set on entry
+        skip_counts[1:].add_(bits_set(tile_map).sum().to(torch.int32))  # reused: the bits set on entry
     out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step,
                                 None if skip_counts is None else skip_counts[:1], stats, tile_map)
     out = drop_padded_queries(out, seqlens_q, tuple(seqlens)) if padded else out
@@ -510,15 +510,6 @@ def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int,
     if (k_block, kv_step) != (REUSE_K_BLOCK, REUSE_KV_STEP) or return_lse:
         raise ValueError(f"a tile map runs on the kernel with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} "
                          f"and no return_lse; got k_block={k_block}, kv_step={kv_step}, return_lse={return_lse}")
-
-
-def set_bits(words: torch.Tensor) -> torch.Tensor:
-    """0-dim int64: the bits set in int32 ``words`` (any shape), on their device without a host read."""
-    x = words.to(torch.int64) & 0xFFFFFFFF
-    x = x - ((x >> 1) & 0x55555555)
-    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F
-    return ((x * 0x01010101) >> 24 & 0xFF).sum()
 
 
 def smoothing_shift(q: torch.Tensor, k: torch.Tensor, seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...],

@@ -53,3 +53,13 @@ def tile_map_shape(seqlens_q, seqlens_kv, heads_q: int, tile: tuple[int, int]) -
     kernel decides skips per ``tile`` (query rows, keys): one bit per KV tile, :data:`TILE_MAP_BITS` to a word."""
     kv_tiles = -(-max(seqlens_kv) // tile[1])
     return len(seqlens_q), heads_q, -(-max(seqlens_q) // tile[0]), -(-kv_tiles // TILE_MAP_BITS)
+
+
+def bits_set(words: torch.Tensor) -> torch.Tensor:
+    """int64, shaped like int32 ``words``: the bits set in each word (a tile map's skipped tiles per word), on
+    their device without a host read."""
+    x = words.to(torch.int64) & 0xFFFFFFFF
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x * 0x01010101) >> 24 & 0xFF
