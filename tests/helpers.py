@@ -123,6 +123,13 @@ def run_script_under_triton_interpreter(test_file: str, *paths) -> object:
     return torch.load(paths[-1], weights_only=False)
 
 
+def run_cases_under_triton_interpreter(test_file: str, cases, folder) -> object:
+    """Save ``cases`` in ``folder`` and run ``test_file`` on them under the Triton interpreter
+    (:func:`run_script_under_triton_interpreter` with ``cases.pt`` and ``results.pt``); its results."""
+    torch.save(cases, folder / "cases.pt")
+    return run_script_under_triton_interpreter(test_file, folder / "cases.pt", folder / "results.pt")
+
+
 @contextlib.contextmanager
 def op_run(*settings: torch.Tensor, calls=None, device="cpu"):
     """A counting run whose site ``i`` runs ``settings[i]`` (a call's own settings, given the run's key and site

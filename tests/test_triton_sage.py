@@ -24,7 +24,7 @@ from diffusers_trtllm.kernels import triton_sage
 from diffusers_trtllm.kernels.numerics import HEAD_DIM
 from diffusers_trtllm.quant import SageSemantics, quantize_sequence
 
-from helpers import run_script_under_triton_interpreter
+from helpers import run_cases_under_triton_interpreter
 
 QK_DTYPES = ("int8", "fp8_e4m3")
 BLOCK_PAIRS = ((1, 1), (1, 16), (4, 16), (16, 4))
@@ -207,10 +207,8 @@ def _run_interpreted(cases_path, results_path):
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
-    folder = tmp_path_factory.mktemp("triton_sage")
     cases = _interpreter_cases()
-    torch.save(cases, folder / "cases.pt")
-    results = run_script_under_triton_interpreter(__file__, folder / "cases.pt", folder / "results.pt")
+    results = run_cases_under_triton_interpreter(__file__, cases, tmp_path_factory.mktemp("triton_sage"))
     return {name: (qkv, quant, plan) for name, qkv, quant, plan, _ in cases}, results
 
 

@@ -26,7 +26,7 @@ from diffusers_trtllm.kernels import triton_sage
 from diffusers_trtllm.quant import SageSemantics, quantize_p, quantize_sequence
 from test_triton_sage import (QK_DTYPES, _fix_triton_interpreter, _offset_qkv, _positional_qkv, _random_qkv, _rel,
                               _skip_schedules)
-from helpers import run_script_under_triton_interpreter
+from helpers import run_cases_under_triton_interpreter
 
 SCALE = 128 ** -0.5
 TILE = (16, 16)  # many KV tiles per sequence (more than one map word) while the interpreter stays fast
@@ -273,10 +273,8 @@ def _run_interpreted(cases_path, results_path):
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
-    folder = tmp_path_factory.mktemp("triton_sage_reuse")
     cases = _interpreter_cases()
-    torch.save(cases, folder / "cases.pt")
-    return cases, run_script_under_triton_interpreter(__file__, folder / "cases.pt", folder / "results.pt")
+    return cases, run_cases_under_triton_interpreter(__file__, cases, tmp_path_factory.mktemp("triton_sage_reuse"))
 
 
 def _reference_lse(qkv, quant, skip_factor, sample, tile, with_quant=True):
