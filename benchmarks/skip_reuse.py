@@ -1,23 +1,26 @@
 """Kernel time against sparsity at Wan 2.2's self-attention shape (default 75,600 tokens × 40 heads × 128), one
-H100/H200 (sm_90): cuDNN SDPA, FMHAv2 SAGE fp8 dense, SAGE + Skip-Softmax (every tile tested), and SAGE + reuse
-(issue 47: the previous step's tile map skips tiles before they are loaded).
+H100/H200 (sm_90): cuDNN SDPA against the two SAGE fp8 kernels with tile maps (``--kernels``: FMHAv2's, Triton's),
+each dense, with Skip-Softmax (every tile tested) and with reuse (issue 47: the previous step's tile map skips tiles
+before they are loaded). Each SAGE time includes its kernel's quantization of Q, K and V.
 
 Data: the published-curve model of DESIGN.md §7 (each (head, 128-key tile) one logit offset: a fraction
 1 − ln(S/a)/b at 0, the rest uniform in [−ln(S/a), 0] nats, over N(0, 0.3²) q and k; one query channel carries the
 offset), so that the factor a·exp(b·s) of NVIDIA's Wan 2.2 fit skips about a fraction s of the tiles.
 
-Reuse (the tile-map kernel, ``fmha_v2_sage.fmha_v2_sage_attention(..., tile_map=...)``): a call with a zeroed map
+Reuse (``fmha_v2_sage.fmha_v2_sage_attention(..., tile_map=...)``, ``triton_sage.triton_sage_attention(...,
+tile_map=...)`` at q/k blocks 1/16): a call with a zeroed map
 (every tile tested) leaves the map of the tiles it skipped; "sage+reuse" runs from that map on the same data,
 "sage+reuse drift" ``--steps`` steps of a drift model: before each step a fraction ``--drift`` of the map's set bits
 is cleared and as many unset bits are set (decisions that moved between denoising steps), from the map the
 previous step left. Each timed call starts from its step's map (a copy: the kernel updates it in place).
 
-Prints a markdown table: ms, speedup vs cuDNN, tiles skipped (test / reuse) and TFLOP/s of the tiles computed
+Prints a markdown table, each row as its case finishes (a line names each case as it starts, so a stalled
+kernel shows where): ms, speedup vs cuDNN, tiles skipped (test / reuse) and TFLOP/s of the tiles computed
 (Q·Kᵀ on the tiles not skipped by reuse, P·V on the tiles kept; a reused half of a step whose other half a
 warpgroup computes still goes through its Q·Kᵀ, so reuse rows count slightly fewer GEMMs than run). ``--dry-run``
 checks the arguments and prints the plan on any machine (no GPU, no FlashInfer build).
 
-    python benchmarks/skip_reuse.py                      # < 2 min on an H200 after the SAGE kernels are built
+    python benchmarks/skip_reuse.py                      # a few minutes on an H200 after the kernels are built
     python benchmarks/skip_reuse.py --seq 16384 --dry-run
 """
 
@@ -29,6 +32,7 @@ import sys
 A, B = 2822.62, 4.388  # NVIDIA's Wan 2.2 fit: factor = a · exp(b · s)
 HEAD_DIM = 128
 CASES = ("cudnn", "sage", "sage+skip", "sage+reuse", "sage+reuse drift")
+KERNELS = ("fmha_v2", "triton")  # SAGE fp8 kernels with tile maps, each timed with its own quantization
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -41,6 +45,8 @@ def parse(argv=None) -> argparse.Namespace:
                         help="fraction of the map's set bits moved to unset ones per step of the drift case")
     parser.add_argument("--steps", type=int, default=3, help="steps of the drift case (>= 1)")
     parser.add_argument("--iters", type=int, default=3, help="timed calls per case and step")
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
+                        help="FMHAv2 SAGE (the tile-map kernel of tile_map_reuse.patch) and/or the Triton SAGE kernel")
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     if args.seq < 256 or args.heads < 1:
@@ -119,18 +125,14 @@ def main(argv=None) -> None:
     total = tiles(args.seq, args.heads)
     print(f"skip_reuse: {args.seq} tokens × {args.heads} heads × {HEAD_DIM}, {total} tiles of 64 × 128; sparsity "
           f"{args.sparsity} (factors {[round(A * math.exp(B * s)) for s in args.sparsity]}), drift {args.drift} per "
-          f"step, {args.steps} steps, {args.iters} timed calls; cases {list(CASES)}")
+          f"step, {args.steps} steps, {args.iters} timed calls; kernels {args.kernels}, cases {list(CASES)}")
     if args.dry_run:
         return
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from tqdm import tqdm
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from diffusers_trtllm.backends import trtllm
-    from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
-    from diffusers_trtllm.config import AttnQuantSpec
-    from diffusers_trtllm.kernels import fmha_v2_sage
+    from diffusers_trtllm.kernels import fmha_v2_sage, triton_sage
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("skip_reuse: needs an sm_90 GPU (H100/H200)")
@@ -140,63 +142,72 @@ def main(argv=None) -> None:
     offsets = draw_offsets(seq, heads, gen)
     q, k, v = data(seq, heads, offsets, gen)
     flops_per_tile = 2 * 64 * 128 * HEAD_DIM  # one GEMM of one tile
-    rows = []
+    shape = fmha_v2_sage.tile_map_shape((seq,), (seq,), heads)
+    cudnn_ms = None
 
-    def sage(skip_factor=0.0, counts=None, tile_map=None):
-        return fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), scale, k_block=0, skip_factor=skip_factor,
-                                                   skip_counts=counts, tile_map=tile_map)
+    def starting(case, s="-"):
+        print(f"  running {case} at s = {s} ...", file=sys.stderr, flush=True)
 
-    def reuse(factor, entry):
+    def row(case, s, ms, test, reused, gemm_tiles):
+        tflops = gemm_tiles * flops_per_tile / ms / 1e9
+        print(f"| {case} | {s} | {ms:.1f} | {cudnn_ms / ms:.2f} | {test / total:.2f} | {reused / total:.2f} | "
+              f"{tflops:.0f} |", flush=True)
+
+    def attend(kernel, factor=0.0, tile_map=None):
+        """One call of ``kernel`` (quantization included); returns device counts (tested, reused) or None."""
+        if kernel == "fmha_v2":
+            counts = torch.zeros(2 if tile_map is not None else 1, dtype=torch.int32, device="cuda")
+            fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), scale, k_block=0, skip_factor=factor,
+                                                skip_counts=counts if factor else None, tile_map=tile_map)
+            return counts if factor else None
+        reused = torch.zeros((), dtype=torch.int32, device="cuda")
+        _, tested, _ = triton_sage.triton_sage_attention(
+            q, k, v, cu, cu, (seq,), (seq,), scale, dtype_qk="fp8_e4m3", skip_factor=factor, skip_tile=(64, 128),
+            count_skips=bool(factor), tile_map=tile_map, reused=reused if tile_map is not None else None)
+        return torch.stack([tested.to(torch.int32), reused]) if factor else None
+
+    def reuse(kernel, factor, entry):
         """(ms, tiles skipped by test, by reuse, the map a call leaves) of calls each from a copy of ``entry``."""
-        counts = torch.zeros(2, dtype=torch.int32, device="cuda")
         tile_map = torch.empty_like(entry)
+        counts = []
 
         def call():
-            counts.zero_()
             tile_map.copy_(entry)
-            sage(factor, counts, tile_map)
+            counts.append(attend(kernel, factor, tile_map))
 
         ms = timed(call, args.iters)
-        return ms, int(counts[0]), int(counts[1]), tile_map.clone()
+        return ms, int(counts[-1][0]), int(counts[-1][1]), tile_map.clone()
 
+    starting("cudnn")
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         bhsd = [x.transpose(0, 1)[None] for x in (q, k, v)]
         cudnn_ms = timed(lambda: torch.nn.functional.scaled_dot_product_attention(*bhsd, scale=scale), args.iters)
-    rows.append(("cudnn", "-", cudnn_ms, 0, 0, 2 * total))
-    sage_ms = timed(sage, args.iters)
-    rows.append(("sage", "-", sage_ms, 0, 0, 2 * total))
-    reuse_reason = trtllm.reuse_unavailable_reason(
-        KernelPlan("TRTLLM_ATTN", scale, skip_factor=1.0, quant=AttnQuantSpec("fp8_e4m3"), reuse=True),
-        VarlenQKV(q, k, v, (seq,), (seq,)))
-    shape = fmha_v2_sage.tile_map_shape((seq,), (seq,), heads)
-    for s in tqdm(args.sparsity, desc="sparsity", unit="s"):
-        factor = A * math.exp(B * s)
-        counts = torch.zeros(1, dtype=torch.int32, device="cuda")
-        ms = timed(lambda: sage(factor, counts), args.iters)
-        skipped = int(counts.item()) // (args.iters + 1)
-        rows.append(("sage+skip", s, ms, skipped, 0, total + (total - skipped)))
-        if reuse_reason is not None:
-            continue
-        # the previous step on the same data: a zeroed map tests every tile and leaves the ones it skipped
-        _, _, _, entry = reuse(factor, torch.zeros(shape, dtype=torch.int32, device="cuda"))
-        ms, test, reused, _ = reuse(factor, entry)
-        rows.append(("sage+reuse", s, ms, test, reused, 2 * total - 2 * reused - test))
-        drifted = []
-        for _ in range(args.steps):
-            ms, test, reused, entry = reuse(factor, drift_map(entry, -(-seq // 128), args.drift, gen))
-            drifted.append((ms, test, reused))
-        ms, test, reused = (sum(x) / args.steps for x in zip(*drifted))
-        rows.append((f"sage+reuse drift {args.drift}", s, ms, test, reused, 2 * total - 2 * reused - test))
-    print()
-    if reuse_reason is not None:
-        print(f"sage+reuse not run: {reuse_reason}\n")
     print("| case | s | ms | × cuDNN | skipped by test | skipped by reuse | TFLOP/s (computed tiles) |")
     print("|---|---|---|---|---|---|---|")
-    for case, s, ms, test, reuse, gemm_tiles in rows:
-        tflops = gemm_tiles * flops_per_tile / ms / 1e9 if ms == ms else float("nan")
-        print(f"| {case} | {s} | {ms:.1f} | {cudnn_ms / ms:.2f} | {test / total:.2f} | {reuse / total:.2f} | "
-              f"{tflops:.0f} |")
-
+    row("cudnn", "-", cudnn_ms, 0, 0, 2 * total)
+    for kernel in args.kernels:
+        starting(f"{kernel} sage")
+        row(f"{kernel} sage", "-", timed(lambda: attend(kernel), args.iters), 0, 0, 2 * total)
+        for s in args.sparsity:
+            factor = A * math.exp(B * s)
+            starting(f"{kernel} sage+skip", s)
+            counts = []
+            ms = timed(lambda: counts.append(attend(kernel, factor)), args.iters)
+            skipped = int(counts[-1][0])
+            row(f"{kernel} sage+skip", s, ms, skipped, 0, total + (total - skipped))
+            # the previous step on the same data: a zeroed map tests every tile and leaves the ones it skipped
+            starting(f"{kernel} sage+reuse (fresh map)", s)
+            _, _, _, entry = reuse(kernel, factor, torch.zeros(shape, dtype=torch.int32, device="cuda"))
+            starting(f"{kernel} sage+reuse", s)
+            ms, test, reused, _ = reuse(kernel, factor, entry)
+            row(f"{kernel} sage+reuse", s, ms, test, reused, 2 * total - 2 * reused - test)
+            drifted = []
+            for step in range(args.steps):
+                starting(f"{kernel} sage+reuse drift step {step + 1}/{args.steps}", s)
+                ms, test, reused, entry = reuse(kernel, factor, drift_map(entry, -(-seq // 128), args.drift, gen))
+                drifted.append((ms, test, reused))
+            ms, test, reused = (sum(x) / args.steps for x in zip(*drifted))
+            row(f"{kernel} sage+reuse drift {args.drift}", s, ms, test, reused, 2 * total - 2 * reused - test)
 
 if __name__ == "__main__":
     main()

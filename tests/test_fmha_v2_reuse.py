@@ -190,7 +190,8 @@ def _map_of(tiles, qkv):
     return pack_tile_map(tiles, -(-tiles.shape[-1] // 32)).cuda()
 
 
-SHAPES = {"self": ((1100, 300, 2112), (1100, 300, 2112)), "fewer-queries": ((600, 1000), (1700, 1000))}
+# 4,500 keys: 36 KV tiles, two map words per query tile (the words past the first are read and written)
+SHAPES = {"self": ((1100, 300, 4500), (1100, 300, 4500)), "fewer-queries": ((600, 1000), (1700, 4500))}
 
 
 @pytest.mark.gpu
@@ -267,7 +268,7 @@ def test_gpu_steps_every_query_tile_reuses_are_never_read():
 @pytest.mark.gpu
 def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
     _hopper()
-    qkv = peaky_qkv((1100, 300, 2112), (1100, 300, 2112), 8, 2, seed=6)
+    qkv = peaky_qkv((1100, 300, 4500), (1100, 300, 4500), 8, 2, seed=6)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 8)
     tiles = torch.rand(shape[:3] + (_kv_tiles(qkv),), generator=torch.Generator().manual_seed(7)) < 0.5
     entry = _map_of(tiles, qkv)
