@@ -41,7 +41,7 @@ def test_one_tile_map_kernel_with_its_own_names_and_flag():
     # keeping FlashInfer's step by the preprocessor
     assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
     dma, compute = sources["fmha/warpspec/dma.h"], sources["fmha/warpspec/compute.h"]
-    assert "if (!kv_step_loaded(reused_halves(params, bidb, bidh, q_tile, actual_seqlen, kv_step_idx)," in dma
+    assert "if (!kv_step_loaded(reused_halves(params, row, kv_step_idx),\n" in dma
     assert "#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK) COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)" \
         in compute
 
@@ -61,6 +61,16 @@ def _call(q, seqlens=(300,), **kwargs):
 def test_a_tile_map_of_another_dtype_shape_or_device_is_refused_before_any_work(tile_map, words):
     with pytest.raises(ValueError, match=words):
         _call(torch.zeros(300, 2, 128, dtype=torch.bfloat16), tile_map=tile_map)
+
+
+def test_a_tile_map_of_2_31_words_is_refused_before_any_work():
+    """The kernel's map offsets are 32-bit: 4M tokens × 40 heads need more (meta tensors: no memory)."""
+    seq, heads = 4_000_000, 40
+    q = torch.empty(seq, heads, 128, dtype=torch.bfloat16, device="meta")
+    tile_map = torch.empty(fmha_v2_sage.tile_map_shape((seq,), (seq,), heads), dtype=torch.int32, device="meta")
+    assert tile_map.numel() >= 2 ** 31
+    with pytest.raises(ValueError, match=rf"tile_map has {tile_map.numel()} words; .* 32-bit offsets"):
+        fmha_v2_sage._check_tile_map(tile_map, q, (seq,), None, 0, 256, False)
 
 
 @pytest.mark.parametrize("kwargs,words", [

@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "5a333722f685f3a54cd03c9a3f85420479d37c778cc37036b627f9ba36d00974"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "cadfc06e43ee94a6d19bd51177b8a22f49e682b3753024ea5229799d816130a4"),
-    "0.7.4": "7781ba839ec28967c134064a4a88923aa32e27c67b071ad6b4969f86436b63b6",
+                    "4e2638f34b6e9c32b4cfd5092264c93447e091ff069ee6859772c51fe7d58a2a"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "d0430bff5c317a8fcb4f66e90a8a19799c01263f571000b205c5c13461c3683f"),
+    "0.7.4": "72c37c1b44e135495dd91bc1e262f4955782efbffbd61f106a4c6616a3f4ad00",
 }
 
 

@@ -507,6 +507,9 @@ def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int,
                          f"{tile_map.dtype} {list(tile_map.shape)}")
     if tile_map.device != q.device:
         raise ValueError(f"tile_map must be on {q.device}, the tensors' device; got {tile_map.device}")
+    if tile_map.numel() >= 2 ** 31:
+        raise ValueError(f"tile_map has {tile_map.numel()} words; the kernel addresses its rows with 32-bit offsets "
+                         f"(fewer than 2^31 words): split the batch or its heads into several calls")
     if (k_block, kv_step) != (REUSE_K_BLOCK, REUSE_KV_STEP) or return_lse:
         raise ValueError(f"a tile map runs on the kernel with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} "
                          f"and no return_lse; got k_block={k_block}, kv_step={kv_step}, return_lse={return_lse}")
