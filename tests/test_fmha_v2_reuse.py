@@ -180,24 +180,44 @@ def _kv_tiles(qkv):
     return -(-max(qkv.seqlens_kv) // fmha_v2_sage.SKIP_TILE[1])
 
 
-def _disagreements(a, b, qkv):
-    return int((unpack_tile_map(a, _kv_tiles(qkv)) != unpack_tile_map(b, _kv_tiles(qkv))).sum())
-
-
 def _near_threshold(result):
     """Tiles whose decision may fall either way between the kernel and the reference (the reference emulates
     sm_90's fp8 sums, and the skip-count test finds the counts equal: a bound, not an expected number)."""
     return result.total_tiles // 1000
 
 
+def _partial_last_tiles(qkv):
+    """bool ``[B, Hq, query tiles, KV tiles]`` (CPU): each sequence's last query tile where it is partial."""
+    shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1])[:3] + (_kv_tiles(qkv),)
+    partial = torch.zeros(shape, dtype=torch.bool)
+    for b, n_q in enumerate(qkv.seqlens_q):
+        if n_q % 64:
+            partial[b, :, n_q // 64] = True
+    return partial
+
+
+def _assert_decides_as_reference(kernel, ref, qkv):
+    """The kernel's skipped tiles (its map's bits, its test count) are the reference's, but for decisions at the
+    threshold and for each sequence's partial last query tile, where FMHAv2's vote also takes the tile's rows past
+    the sequence (the next sequence's queries; zeros after the last sequence, whose scores are never negligible):
+    there the kernel may keep a tile the reference skips, never the reverse (measured on the H100, 2026-12-05: 23
+    tiles at these shapes, all in the last sequence's partial tile)."""
+    got, want = (unpack_tile_map(r.tile_map, _kv_tiles(qkv)).cpu() for r in (kernel, ref))
+    partial, bound = _partial_last_tiles(qkv), _near_threshold(ref)
+    assert int((got != want)[~partial].sum()) <= bound
+    assert int((got & ~want)[partial].sum()) <= bound  # past-the-end rows only keep tiles
+    kept_past_end = int((want & ~got)[partial].sum())
+    assert -bound - kept_past_end <= int(kernel.skipped_tiles) - int(ref.skipped_tiles) <= bound
+
+
 def _map_of(tiles, qkv):
-    """``tiles`` (bool ``[B, Hq, query tiles, KV tiles]``) as a tile map on the GPU, with the tiles past each
-    sequence's queries and keys cleared (the map's contract)."""
+    """``tiles`` (bool ``[B, Hq, query tiles, KV tiles]``) as a tile map on ``qkv``'s device, with the tiles past
+    each sequence's queries and keys cleared (the map's contract)."""
     tiles = tiles.clone()
     for b, (n_q, n_kv) in enumerate(zip(qkv.seqlens_q, qkv.seqlens_kv)):
         tiles[b, :, -(-n_q // 64):] = False
         tiles[b, ..., -(-n_kv // 128):] = False
-    return pack_tile_map(tiles, -(-tiles.shape[-1] // 32)).cuda()
+    return pack_tile_map(tiles, -(-tiles.shape[-1] // 32)).to(qkv.q.device)
 
 
 # 4,500 keys: 36 KV tiles, two map words per query tile (the words past the first are read and written)
@@ -217,8 +237,8 @@ def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths
     assert int(bits_set(fresh.tile_map).sum()) == int(fresh.skipped_tiles)
     ref = run_backend("TORCH_REFERENCE", qkv, _plan(300.0))
     assert 0.1 < int(ref.skipped_tiles) / ref.total_tiles < 0.9
-    # the reference emulates sm_90's fp8 sums: its decisions are the kernel's (the skip-count test agrees exactly)
-    assert _disagreements(fresh.tile_map, ref.tile_map, qkv) <= _near_threshold(ref)
+    # the reference emulates sm_90's fp8 sums: its decisions are the kernel's
+    _assert_decides_as_reference(fresh, ref, qkv)
 
 
 @pytest.mark.gpu
@@ -232,8 +252,7 @@ def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths):
     ref = run_backend("TORCH_REFERENCE", qkv, _plan(300.0, entry.clone()))
     plain = run_backend("TRTLLM_ATTN", qkv, _plan(300.0)).out
     assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(bits_set(entry).sum()) > 0
-    assert abs(int(kernel.skipped_tiles) - int(ref.skipped_tiles)) <= _near_threshold(ref)
-    assert _disagreements(kernel.tile_map, ref.tile_map, qkv) <= _near_threshold(ref)
+    _assert_decides_as_reference(kernel, ref, qkv)
     assert not (entry & ~kernel.tile_map).any()  # every reused tile stays set
     assert _rel(kernel.out, ref.out) < 5e-3  # the SAGE tests' tolerance: the bf16 output rounding
     assert _rel(kernel.out, plain) > 2 * _rel(kernel.out, ref.out)  # the reused tiles did change the result
@@ -289,6 +308,70 @@ def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
     assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(bits_set(entry).sum()) > 0
     assert torch.equal(kernel.tile_map, entry) and torch.equal(ref.tile_map, entry)
     assert torch.isfinite(kernel.out).all() and _rel(kernel.out, ref.out) < 5e-3
+
+
+def _drifted(tile_map, qkv, share, first_step, seed):
+    """``tile_map`` with a share ``share`` of its set bits cleared and as many unset ones set, drawn uniformly (the
+    benchmark's drift model), the first 256-key step's two tiles among them where ``first_step``."""
+    gen = torch.Generator().manual_seed(seed)
+    tiles = unpack_tile_map(tile_map, _kv_tiles(qkv)).cpu()
+    movable = unpack_tile_map(_map_of(torch.ones_like(tiles), qkv), _kv_tiles(qkv)).cpu()  # the sequences' tiles
+    if not first_step:
+        movable[..., :2] = False
+    set_at, unset_at = (tiles & movable).flatten().nonzero()[:, 0], (~tiles & movable).flatten().nonzero()[:, 0]
+    moved = min(round(share * set_at.numel()), unset_at.numel())
+    flat = tiles.flatten()
+    flat[set_at[torch.randperm(set_at.numel(), generator=gen)[:moved]]] = False
+    flat[unset_at[torch.randperm(unset_at.numel(), generator=gen)[:moved]]] = True
+    return _map_of(flat.view(tiles.shape), qkv)
+
+
+DRIFT_CASES = ("from-the-second-step", "with-the-first-step", "wan-size")
+DRIFT_SECONDS = 150  # the kernel runs in milliseconds; a child still running by then has stalled
+
+
+def _drift_case(case):
+    """One case of test_gpu_a_drifted_map_with_the_test_skipping_finishes (run in a child process)."""
+    if case == "wan-size":  # the benchmark's stall (RESULTS.md, 2026-12-05): 75,600 tokens, 40 heads, λ ≈ 0.65
+        qkv, factor = peaky_qkv((75_600,), (75_600,), 40, 40), 48_904.0
+    else:
+        qkv, factor = peaky_qkv((1100, 300, 4500), (1100, 300, 4500), 8, 2), 300.0
+    own = run_backend("TRTLLM_ATTN", qkv, _plan(factor)).tile_map  # the kernel's own decisions: no first step
+    entry = _drifted(own, qkv, 0.05, case != "from-the-second-step", seed=3)
+    for step in range(3):  # as a run's reuse window: each step from the map the last one left
+        kernel = run_backend("TRTLLM_ATTN", qkv, _plan(factor, entry.clone()))
+        torch.cuda.synchronize()
+        print(f"{case}: step {step} finished", flush=True)
+        assert int(kernel.reused_tiles) == int(bits_set(entry).sum()) > 0
+        assert not (entry & ~kernel.tile_map).any() and torch.isfinite(kernel.out).all()
+        if case != "wan-size" and step == 0:
+            ref = run_backend("TORCH_REFERENCE", qkv, _plan(factor, entry.clone()))
+            _assert_decides_as_reference(kernel, ref, qkv)
+            assert _rel(kernel.out, ref.out) < 5e-3
+        entry = _drifted(kernel.tile_map, qkv, 0.05, case != "from-the-second-step", seed=4 + step)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DRIFT_CASES)
+def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case):
+    """Reused tiles beside tiles the test skips, on maps whose bits moved as between denoising steps (the first
+    step's too, which the kernel's own maps never hold): the kernel finishes and decides as the reference. Each
+    case runs in a child process, so that a stalled kernel fails the case instead of hanging the session."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    _hopper()
+    tests = pathlib.Path(__file__).parent
+    code = f"import test_fmha_v2_reuse as t; t._drift_case({case!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True,
+                              text=True, timeout=DRIFT_SECONDS)
+    except subprocess.TimeoutExpired as stalled:
+        pytest.fail(f"{case}: no result in {DRIFT_SECONDS} s (a stalled kernel); it printed: {stalled.stdout!r}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 # ---------------------------------------------------------------- CPU: the static report's SASS figures

@@ -454,21 +454,23 @@ def test_gpu_lse_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", QK_DTYPES)
 def test_gpu_tile_map_follows_the_contract(dtype):
     """The compiled kernel (barrier vote, sampled launch) against the model over two steps and a map with random
-    tiles added; a zeroed map gives the map-less output bit for bit."""
+    tiles added; a zeroed map decides as no map does."""
     qkv = _gpu_data()
     quant, factor = QUANT[dtype], 300.0
     sample = triton_sage.skip_sample_rule(qkv.seqlens_q, 8, GPU_TILE[0], "cuda")
     none = _kernel(qkv, quant, factor, sample=sample, tile=GPU_TILE)
     first = _kernel(qkv, quant, factor, _empty_map(qkv, GPU_TILE), sample, GPU_TILE)
-    assert torch.equal(first["out"], none["out"]) and first["skipped"] == none["skipped"]
+    total = none["total"]
+    # scores agree to float32 rounding (fp8: to sm_90's accumulation): a decision at the threshold may differ
+    slack = max(2, total // 1000) if dtype == "int8" else max(4, total // 200)
+    # the kernel with a map is another compilation, whose float32 sums may round otherwise (the H100 run of
+    # 2026-12-05 found the outputs not bit-identical)
+    assert abs(first["skipped"] - none["skipped"]) <= slack and _rel(first["out"], none["out"]) < 1e-3
     maps = [_empty_map(qkv, GPU_TILE), first["map"], _random_bits(first["map"], qkv, 0.2, GPU_TILE)]
     for tile_map in maps:
         got = _kernel(qkv, quant, factor, tile_map, sample, GPU_TILE)
         model = _contract_model(qkv, quant, factor, tile_map, sample, GPU_TILE)
-        total = got["total"]
         assert model["skipped"] > 0.05 * total or model["reused"] > 0.05 * total
-        # scores agree to float32 rounding (fp8: to sm_90's accumulation): a decision at the threshold may differ
-        slack = max(2, total // 1000) if dtype == "int8" else max(4, total // 200)
         assert abs(got["skipped"] - model["skipped"]) <= slack and got["reused"] == model["reused"]
         differing = torch.bitwise_xor(got["map"].cpu(), model["map"].cpu())
         assert sum(bin(w & 0xFFFFFFFF).count("1") for w in differing.flatten().tolist()) <= slack
