@@ -7,6 +7,8 @@ route's plumbing. GPU (``-m gpu``, sm_90): against ``TORCH_REFERENCE`` with the 
 kernel's fp8 sums, so skip decisions agree tile for tile.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,16 +29,19 @@ FP8 = AttnQuantSpec("fp8_e4m3")
 # ---------------------------------------------------------------- CPU: build, refusals, plumbing
 
 
-def test_one_tile_map_kernel_with_its_own_names_and_flag():
+def test_two_tile_map_kernels_with_their_own_names_and_flag():
     reuse = [k for k in fmha_v2_sage.sage_kernels() if k.reuse]
-    assert reuse == [fmha_v2_sage.SageKernel(0, 256, True, reuse=True)]
-    plain = fmha_v2_sage.kernel_names(fmha_v2_sage.SageKernel(0, 256, True))
-    names = fmha_v2_sage.kernel_names(reuse[0])
-    assert all("skipSoftmax_tileMap" in name for name in names) and set(names).isdisjoint(plain)
+    assert reuse == [fmha_v2_sage.SageKernel(0, kv_step, True, reuse=True) for kv_step in (256, 128)]
     sources = fmha_v2_sage.kernel_sources()
-    assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP 1")
-    assert sum("DIFFUSERS_TRTLLM_TILE_MAP 1" in code for name, code in sources.items() if name.endswith(".cu")) == 1
-    assert "&& tile_map == true) {\n    " + names[1] in sources["sage_kernels.h"]
+    for kernel in reuse:
+        plain = fmha_v2_sage.kernel_names(fmha_v2_sage.SageKernel(0, kernel.kv_step, True))
+        names = fmha_v2_sage.kernel_names(kernel)
+        assert all("skipSoftmax_tileMap" in name for name in names) and set(names).isdisjoint(plain)
+        assert f"_64_{kernel.kv_step}_S_" in names[0]
+        assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP 1")
+        assert (f"kv_step == {kernel.kv_step} && skip == true && lse == false && tile_map == true) {{\n    "
+                + names[1]) in sources["sage_kernels.h"]
+    assert sum("DIFFUSERS_TRTLLM_TILE_MAP 1" in code for name, code in sources.items() if name.endswith(".cu")) == 2
     # the headers: the map's pointers beside the skip statistics, the DMA's predicate, the kernels without a map
     # keeping FlashInfer's step by the preprocessor
     assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
@@ -74,8 +79,8 @@ def test_a_tile_map_of_2_31_words_is_refused_before_any_work():
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(k_block=64), "k_block=0, kv_step=256 and no return_lse; got k_block=64"),
-    (dict(kv_step=128), "got k_block=0, kv_step=128"),
+    (dict(k_block=64), r"k_block=0, kv_step in \(256, 128\) and no return_lse; got k_block=64"),
+    (dict(kv_step=512), "got k_block=0, kv_step=512"),
     (dict(return_lse=True), "return_lse=True"),
     (dict(skip_counts=torch.zeros(1, dtype=torch.int32)), r"int32 \[2\] tensor on cpu \(with a tile map: tested"),
 ])
@@ -165,6 +170,29 @@ def _hopper():
         pytest.skip("needs an sm_90 GPU")
 
 
+def _at_kv_step(kv_step, set_attribute):
+    """Makes the route and the reference run FMHAv2 SAGE at ``kv_step`` keys per step (the route's own is
+    :data:`~fmha_v2_sage.REUSE_KV_STEP`), through ``set_attribute`` (``monkeypatch.setattr`` or ``setattr``)."""
+    from diffusers_trtllm.backends import reference
+
+    chosen = trtllm.sage_semantics
+
+    def at_step(*args, **kwargs):
+        semantics = chosen(*args, **kwargs)
+        fmha_v2 = semantics.q_block == fmha_v2_sage.Q_BLOCK
+        return dataclasses.replace(semantics, kv_step=kv_step) if fmha_v2 else semantics
+
+    set_attribute(trtllm, "sage_semantics", at_step)
+    set_attribute(reference, "sage_semantics", at_step)
+
+
+@pytest.fixture(params=fmha_v2_sage.REUSE_KV_STEPS, ids=lambda kv_step: f"{kv_step}-key-steps")
+def kv_step(request, monkeypatch):
+    """Each tile-map kernel: the route and the reference at its KV step."""
+    _at_kv_step(request.param, monkeypatch.setattr)
+    return request.param
+
+
 
 
 def _rel(a, b):
@@ -226,7 +254,7 @@ SHAPES = {"self": ((1100, 300, 4500), (1100, 300, 4500)), "fewer-queries": ((600
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", SHAPES.values(), ids=SHAPES.keys())
-def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths):
+def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths, kv_step):
     _hopper()
     qkv = peaky_qkv(*lengths, 8, 2)
     fresh = run_backend("TRTLLM_ATTN", qkv, _plan(300.0))
@@ -243,7 +271,7 @@ def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", SHAPES.values(), ids=SHAPES.keys())
-def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths):
+def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths, kv_step):
     _hopper()
     qkv = peaky_qkv(*lengths, 8, 2)
     # the previous step's map at a larger λ: it skips tiles this step's test would keep
@@ -259,9 +287,11 @@ def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths):
 
 
 @pytest.mark.gpu
-def test_gpu_steps_every_query_tile_reuses_are_never_read():
-    """K and V of the 256-key steps that every query tile reuses whole are set to NaN after quantization: the
-    output is bit for bit the one with intact K and V, so those steps were neither loaded nor multiplied."""
+@pytest.mark.parametrize("kv_step", fmha_v2_sage.REUSE_KV_STEPS)
+def test_gpu_steps_every_query_tile_reuses_are_never_read(kv_step):
+    """K and V of 256 keys that every query tile reuses whole (a step of the 256-key kernel, two of the 128-key
+    one) are set to NaN after quantization: the output is bit for bit the one with intact K and V, so those keys
+    were neither loaded nor multiplied."""
     _hopper()
     qkv = peaky_qkv((2000, 1500), (2000, 1500), 4, 2)
     cu, heads = qkv.cu_seqlens("kv"), qkv.q.shape[1]
@@ -277,7 +307,7 @@ def test_gpu_steps_every_query_tile_reuses_are_never_read():
 
     def run(packed):
         counts = torch.zeros(1, dtype=torch.int32, device="cuda")
-        out = fmha_v2_sage.sage_attention_packed(packed, cu, qkv.seqlens_kv, heads, SCALE, 300.0, 256, counts,
+        out = fmha_v2_sage.sage_attention_packed(packed, cu, qkv.seqlens_kv, heads, SCALE, 300.0, kv_step, counts,
                                                  None, tile_map.clone())
         return out, counts
 
@@ -295,7 +325,7 @@ def test_gpu_steps_every_query_tile_reuses_are_never_read():
 
 
 @pytest.mark.gpu
-def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
+def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles(kv_step):
     _hopper()
     qkv = peaky_qkv((1100, 300, 4500), (1100, 300, 4500), 8, 2, seed=6)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 8)
@@ -352,8 +382,9 @@ def _drift_case(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_step", fmha_v2_sage.REUSE_KV_STEPS, ids=lambda kv_step: f"{kv_step}-key-steps")
 @pytest.mark.parametrize("case", DRIFT_CASES)
-def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case):
+def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case, kv_step):
     """Reused tiles beside tiles the test skips, on maps whose bits moved as between denoising steps (the first
     step's too, which the kernel's own maps never hold): the kernel finishes and decides as the reference. Each
     case runs in a child process, so that a stalled kernel fails the case instead of hanging the session."""
@@ -364,7 +395,7 @@ def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case):
 
     _hopper()
     tests = pathlib.Path(__file__).parent
-    code = f"import test_fmha_v2_reuse as t; t._drift_case({case!r})"
+    code = f"import test_fmha_v2_reuse as t; t._at_kv_step({kv_step}, setattr); t._drift_case({case!r})"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
     try:
         proc = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True,

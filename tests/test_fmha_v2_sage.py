@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "4e2638f34b6e9c32b4cfd5092264c93447e091ff069ee6859772c51fe7d58a2a"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "d0430bff5c317a8fcb4f66e90a8a19799c01263f571000b205c5c13461c3683f"),
-    "0.7.4": "72c37c1b44e135495dd91bc1e262f4955782efbffbd61f106a4c6616a3f4ad00",
+                    "c324ce54c013eabdd685384f1b361e4e0a378d95f33b6d2514a2303ae73c47dd"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "ac023faefb96a515c5f1bdc5b19bb67e8a32cf7e1d25cfa8f9647833edb5a15e"),
+    "0.7.4": "363041c2e96c1e9339555b25feb5cfdfa88fdeed44c0d8202efae665c629d556",
 }
 
 
