@@ -15,10 +15,11 @@ Reuse (``fmha_v2_sage.fmha_v2_sage_attention(..., kv_step=256 or 128, tile_map=.
 is cleared and as many unset bits are set (decisions that moved between denoising steps), from the map the
 previous step left. Each timed call starts from its step's map (a copy: the kernel updates it in place).
 
-Prints a markdown table, each row as its case finishes (a line names each case as it starts, so a stalled
-kernel shows where): ms, speedup vs cuDNN, tiles skipped (test / reuse) and TFLOP/s of the tiles computed
-(Q·Kᵀ on the tiles not skipped by reuse, P·V on the tiles kept; in FMHAv2's 256-key steps a reused half whose
-other half a warpgroup computes still goes through its Q·Kᵀ, so those reuse rows count fewer GEMMs than run).
+Prints a markdown table (with each kernel's quantization time alone, part of its rows' times), each row as its
+case finishes (a line names each case as it starts, so a stalled kernel shows where): ms, speedup vs cuDNN, tiles
+skipped (test / reuse) and TFLOP/s of the tiles computed (Q·Kᵀ on the tiles not skipped by reuse, P·V on the
+tiles kept; in FMHAv2's 256-key steps a reused half whose other half a warpgroup computes still goes through its
+Q·Kᵀ, so those reuse rows count fewer GEMMs than run).
 ``--dry-run`` checks the arguments and prints the plan on any machine (no GPU, no FlashInfer build).
 
     python benchmarks/skip_reuse.py                      # a few minutes on an H200 after the kernels are built
@@ -170,6 +171,13 @@ def main(argv=None) -> None:
             count_skips=bool(factor), tile_map=tile_map, reused=reused if tile_map is not None else None)
         return torch.stack([tested.to(torch.int32), reused]) if factor else None
 
+    def quantize(kernel):
+        """One quantization of Q, K and V as ``kernel``'s call makes it (part of every SAGE row's time)."""
+        if KERNELS[kernel]:
+            fmha_v2_sage.sage_quantize_packed(q, k, v, cu, seq, 0)
+        else:
+            triton_sage.sage_quantize(q, k, v, cu, cu, seq, seq, dtype_qk="fp8_e4m3", q_block=1, k_block=16)
+
     def reuse(kernel, factor, entry):
         """(ms, tiles skipped by test, by reuse, the map a call leaves) of calls each from a copy of ``entry``."""
         tile_map = torch.empty_like(entry)
@@ -191,6 +199,9 @@ def main(argv=None) -> None:
     row("cudnn", "-", cudnn_ms, 0, 0, 2 * total)
     entries = {}  # (kernel, s): the map a reuse step left, where the drift rows start
     for kernel in args.kernels:
+        starting(f"{kernel} quantization")
+        print(f"| {kernel} quantization (in every row below) | - | {timed(lambda: quantize(kernel), args.iters):.1f} "
+              "| - | - | - | - |", flush=True)
         starting(f"{kernel} sage")
         row(f"{kernel} sage", "-", timed(lambda: attend(kernel), args.iters), 0, 0, 2 * total)
         for s in args.sparsity:
