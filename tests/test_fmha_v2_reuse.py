@@ -369,9 +369,12 @@ def _drift_case(case):
     own = run_backend("TRTLLM_ATTN", qkv, _plan(factor)).tile_map  # the kernel's own decisions: no first step
     entry = _drifted(own, qkv, 0.05, case != "from-the-second-step", seed=3)
     for step in range(3):  # as a run's reuse window: each step from the map the last one left
+        first_step = int(unpack_tile_map(entry, _kv_tiles(qkv))[..., :2].sum())
+        print(f"{case}: step {step} from {int(bits_set(entry).sum())} reused tiles, {first_step} in the first "
+              "KV step", flush=True)
         kernel = run_backend("TRTLLM_ATTN", qkv, _plan(factor, entry.clone()))
         torch.cuda.synchronize()
-        print(f"{case}: step {step} finished", flush=True)
+        print(f"{case}: step {step} finished, {int(kernel.skipped_tiles)} tiles skipped by the test", flush=True)
         assert int(kernel.reused_tiles) == int(bits_set(entry).sum()) > 0
         assert not (entry & ~kernel.tile_map).any() and torch.isfinite(kernel.out).all()
         if case != "wan-size" and step == 0:
