@@ -453,9 +453,10 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     warpgroups' query tiles; a set 128-key half of a computed 256-key step enters neither the running max nor the
     sum, its exps and P·V left out), tests the others as without a map, and sets the bits of the tiles its test
     skipped (updated in place; zero the map for a step that tests every tile). Needs ``k_block``
-    :data:`REUSE_K_BLOCK`, a ``kv_step`` of :data:`REUSE_KV_STEPS`, no ``return_lse``; ``skip_factor`` 0 skips the map's tiles only. ``skip_counts`` is then int32 ``[2]``: (tiles the
-    test skipped, tiles reused: the bits set on entry). GPUs: sm_90 (H100/H200); the first call on a machine
-    compiles the kernels (see :func:`load_module`).
+    :data:`REUSE_K_BLOCK`, a ``kv_step`` of :data:`REUSE_KV_STEPS`, no ``return_lse``; ``skip_factor`` 0 skips
+    the map's tiles only. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused: the bits
+    set on entry). GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels (see
+    :func:`load_module`).
     """
     if tile_map is not None:
         _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse)
@@ -514,8 +515,9 @@ def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int,
         raise ValueError(f"tile_map has {tile_map.numel()} words; the kernel addresses its rows with 32-bit offsets "
                          f"(fewer than 2^31 words): split the batch or its heads into several calls")
     if k_block != REUSE_K_BLOCK or kv_step not in REUSE_KV_STEPS or return_lse:
-        raise ValueError(f"a tile map runs on the kernels with k_block={REUSE_K_BLOCK}, kv_step in {REUSE_KV_STEPS} "
-                         f"and no return_lse; got k_block={k_block}, kv_step={kv_step}, return_lse={return_lse}")
+        raise ValueError(f"a tile map runs on the kernels with k_block={REUSE_K_BLOCK}, kv_step in "
+                         f"{REUSE_KV_STEPS} and no return_lse; got k_block={k_block}, kv_step={kv_step}, "
+                         f"return_lse={return_lse}")
 
 
 def smoothing_shift(q: torch.Tensor, k: torch.Tensor, seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...],
