@@ -193,8 +193,6 @@ def kv_step(request, monkeypatch):
     return request.param
 
 
-
-
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -228,8 +226,8 @@ def _assert_decides_as_reference(kernel, ref, qkv):
     """The kernel's skipped tiles (its map's bits, its test count) are the reference's, but for decisions at the
     threshold and for each sequence's partial last query tile, where FMHAv2's vote also takes the tile's rows past
     the sequence (the next sequence's queries; zeros after the last sequence, whose scores are never negligible):
-    there the kernel may keep a tile the reference skips, never the reverse (measured on the H100, 2026-12-05: 23
-    tiles at these shapes, all in the last sequence's partial tile)."""
+    there the kernel may keep a tile the reference skips, never the reverse (the H100 run of 2026-12-05 found 23
+    differences at these shapes; those pytest printed lay in the last sequence's partial tile)."""
     got, want = (unpack_tile_map(r.tile_map, _kv_tiles(qkv)).cpu() for r in (kernel, ref))
     partial, bound = _partial_last_tiles(qkv), _near_threshold(ref)
     assert int((got != want)[~partial].sum()) <= bound
