@@ -267,8 +267,8 @@ def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, more_queries_th
             "unset for the fastest")
 
 
-#: Opt-in to the FMHAv2 SAGE tile-map kernel, held back at install until it completes a full-size GPU run: its first
-#: H200 run passed its tests at their sizes, but a benchmark at Wan's 75,600 tokens stalled (benchmarks/RESULTS.md)
+#: Opt-in to the FMHAv2 SAGE tile-map kernel, held back at install until it completes a full-size GPU run: on the
+#: H100 it ran Wan's 75,600 tokens from its own map but stalled on a drifted one (benchmarks/RESULTS.md)
 FMHA_V2_REUSE_ENV = "DIFFUSERS_TRTLLM_FMHA_V2_REUSE"
 
 #: What runs Skip-Softmax reuse, for the reason a plan that cannot gives
@@ -301,8 +301,8 @@ def _held_back_reuse_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     if not plan.reuse or plan.quant is None or gpu_arch(qkv.q.device) not in FMHA_V2_ARCHS or \
             _hopper_sage_kernel(plan.quant, qkv.more_queries_than_keys) != "fmha_v2" or env_switch(FMHA_V2_REUSE_ENV):
         return None
-    return ("Skip-Softmax reuse on the FMHAv2 SAGE kernel is held back until it completes a full-size GPU run (its "
-            "first stalled at Wan's shape: benchmarks/RESULTS.md); reuse runs on the Triton SAGE kernel "
+    return ("Skip-Softmax reuse on the FMHAv2 SAGE kernel is held back until it completes a full-size GPU run (it "
+            "stalled on a drifted map at Wan's shape: benchmarks/RESULTS.md); reuse runs on the Triton SAGE kernel "
             f"(quant.dtype_qk int8, or q/k blocks {list(TRITON_SAGE_BLOCKS)}), or set {FMHA_V2_REUSE_ENV}=1 to run "
             "FMHAv2's")
 
