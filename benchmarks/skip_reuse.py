@@ -95,15 +95,17 @@ def draw_offsets(seq, heads, gen):
                        -math.log(seq / A) * torch.rand(heads, n, device="cuda", generator=gen))
 
 
-def drift_map(tile_map, kv_tiles, drift, gen):
-    """``tile_map`` (int32 words, one sequence's tiles) with a fraction ``drift`` of its set bits cleared and as
-    many unset bits set, drawn uniformly."""
+def drift_map(tile_map, kv_tiles, drift, gen, movable=None):
+    """``tile_map`` (int32 words of ``kv_tiles`` tiles) with a fraction ``drift`` of its set bits cleared and as
+    many unset bits set, drawn uniformly (with ``gen``, on the map's device) among the tiles ``movable`` (bool, as
+    the unpacked map; default all)."""
     import torch
 
     from diffusers_trtllm.backends.base import pack_tile_map, unpack_tile_map
 
     tiles = unpack_tile_map(tile_map, kv_tiles).flatten()
-    set_at, unset_at = tiles.nonzero()[:, 0], (~tiles).nonzero()[:, 0]
+    movable = torch.ones_like(tiles) if movable is None else movable.flatten()
+    set_at, unset_at = (tiles & movable).nonzero()[:, 0], (~tiles & movable).nonzero()[:, 0]
     moved = min(round(drift * set_at.numel()), unset_at.numel())
     pick = lambda at: at[torch.randperm(at.numel(), device=at.device, generator=gen)[:moved]]
     tiles[pick(set_at)] = False

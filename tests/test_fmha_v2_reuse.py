@@ -339,19 +339,18 @@ def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles(kv_ste
 
 
 def _drifted(tile_map, qkv, share, first_step, seed):
-    """``tile_map`` with a share ``share`` of its set bits cleared and as many unset ones set, drawn uniformly (the
-    benchmark's drift model), the first 256-key step's two tiles among them where ``first_step``."""
-    gen = torch.Generator().manual_seed(seed)
+    """``tile_map`` moved by the benchmark's drift model (``skip_reuse.drift_map``, a share ``share`` of its set bits
+    cleared and as many unset ones set) among the sequences' tiles, the first 256-key step's two among them where
+    ``first_step``."""
+    from helpers import load_script
+
     tiles = unpack_tile_map(tile_map, _kv_tiles(qkv)).cpu()
-    movable = unpack_tile_map(_map_of(torch.ones_like(tiles), qkv), _kv_tiles(qkv)).cpu()  # the sequences' tiles
+    movable = unpack_tile_map(_map_of(torch.ones_like(tiles), qkv), _kv_tiles(qkv)).cpu()
     if not first_step:
         movable[..., :2] = False
-    set_at, unset_at = (tiles & movable).flatten().nonzero()[:, 0], (~tiles & movable).flatten().nonzero()[:, 0]
-    moved = min(round(share * set_at.numel()), unset_at.numel())
-    flat = tiles.flatten()
-    flat[set_at[torch.randperm(set_at.numel(), generator=gen)[:moved]]] = False
-    flat[unset_at[torch.randperm(unset_at.numel(), generator=gen)[:moved]]] = True
-    return _map_of(flat.view(tiles.shape), qkv)
+    drift_map = load_script("benchmarks/skip_reuse.py").drift_map
+    gen = torch.Generator().manual_seed(seed)
+    return drift_map(tile_map.cpu(), _kv_tiles(qkv), share, gen, movable).to(tile_map.device)
 
 
 DRIFT_CASES = ("from-the-second-step", "with-the-first-step", "wan-size")

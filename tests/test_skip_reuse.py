@@ -388,3 +388,17 @@ def test_the_benchmark_checks_its_arguments_without_a_gpu():
         bench.parse(["--sparsity", "1.5"])
     assert bench.tiles(75_600, 40) == 40 * 1182 * 591
     assert abs(bench.zero_fraction(75_600) - 0.25) < 0.01  # DESIGN.md §7: a quarter of the tiles at 0
+
+
+def test_the_drift_model_moves_as_many_decisions_each_way_among_the_movable_tiles():
+    from diffusers_trtllm.backends.base import pack_tile_map, unpack_tile_map
+
+    bench = load_script("benchmarks/skip_reuse.py")
+    tiles = torch.rand(2, 3, 50, generator=torch.Generator().manual_seed(0)) < 0.6
+    movable = torch.ones_like(tiles)
+    movable[..., :2] = False
+    drifted = unpack_tile_map(bench.drift_map(pack_tile_map(tiles, 2), 50, 0.1, torch.Generator().manual_seed(1),
+                                              movable), 50)
+    cleared, set_ = int((tiles & ~drifted).sum()), int((drifted & ~tiles).sum())
+    assert cleared == set_ == round(0.1 * int((tiles & movable).sum())) > 0
+    assert torch.equal(drifted[..., :2], tiles[..., :2])  # tiles that may not move keep their decision
