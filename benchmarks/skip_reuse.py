@@ -1,14 +1,15 @@
 """Kernel time against sparsity at Wan 2.2's self-attention shape (default 75,600 tokens × 40 heads × 128), one
-H100/H200 (sm_90): cuDNN SDPA against the SAGE fp8 kernels with tile maps (``--kernels``: FMHAv2's with 256-key and
-with 128-key steps, Triton's), each dense, with Skip-Softmax (every tile tested) and with reuse (issue 47: the
-previous step's tile map skips tiles before they are loaded). Each SAGE time includes its kernel's quantization of
+H100/H200 (sm_90): cuDNN SDPA against the SAGE fp8 kernels that TRTLLM_ATTN runs (``--kernels``: FMHAv2's,
+Triton's), each dense, with Skip-Softmax (every tile tested) and with reuse (issue 47: the previous step's tile map
+skips tiles before they are loaded). Each SAGE time includes its kernel's quantization of
 Q, K and V.
 
 Data: the published-curve model of DESIGN.md §7 (each (head, 128-key tile) one logit offset: a fraction
 1 − ln(S/a)/b at 0, the rest uniform in [−ln(S/a), 0] nats, over N(0, 0.3²) q and k; one query channel carries the
 offset), so that the factor a·exp(b·s) of NVIDIA's Wan 2.2 fit skips about a fraction s of the tiles.
 
-Reuse (``fmha_v2_sage.fmha_v2_sage_attention(..., kv_step=256 or 128, tile_map=...)``,
+FMHAv2 runs its dense and Skip-Softmax rows at the route's 256-key steps and its reuse rows on the tile-map kernel
+(one 128-key tile per step). Reuse (``fmha_v2_sage.fmha_v2_sage_attention(..., tile_map=...)``,
 ``triton_sage.triton_sage_attention(..., tile_map=...)`` at q/k blocks 1/16): a call with a zeroed map
 (every tile tested) leaves the map of the tiles it skipped; "sage+reuse" runs from that map on the same data,
 "sage+reuse drift" ``--steps`` steps of a drift model: before each step a fraction ``--drift`` of the map's set bits
@@ -18,8 +19,7 @@ previous step left. Each timed call starts from its step's map (a copy: the kern
 Prints a markdown table (with each kernel's quantization time alone, part of its rows' times), each row as its
 case finishes (a line names each case as it starts, so a stalled kernel shows where): ms, speedup vs cuDNN, tiles
 skipped (test / reuse) and TFLOP/s of the tiles computed (Q·Kᵀ on the tiles not skipped by reuse, P·V on the
-tiles kept; in FMHAv2's 256-key steps a reused half whose other half a warpgroup computes still goes through its
-Q·Kᵀ, so those reuse rows count fewer GEMMs than run).
+tiles kept).
 ``--dry-run`` checks the arguments and prints the plan on any machine (no GPU, no FlashInfer build).
 
     python benchmarks/skip_reuse.py                      # a few minutes on an H200 after the kernels are built
@@ -34,8 +34,7 @@ import sys
 A, B = 2822.62, 4.388  # NVIDIA's Wan 2.2 fit: factor = a · exp(b · s)
 HEAD_DIM = 128
 CASES = ("cudnn", "sage", "sage+skip", "sage+reuse", "sage+reuse drift")
-# SAGE fp8 kernels with tile maps, each timed with its own quantization: FMHAv2 at 256 and 128 keys per step
-KERNELS = {"fmha_v2": 256, "fmha_v2_128": 128, "triton": None}
+KERNELS = ("fmha_v2", "triton")  # the SAGE fp8 kernels with tile maps, each timed with its own quantization
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -49,8 +48,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="steps of the drift case (>= 1)")
     parser.add_argument("--iters", type=int, default=3, help="timed calls per case and step")
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
-                        help="FMHAv2 SAGE (the tile-map kernels of tile_map_reuse.patch, 256- or 128-key steps) "
-                             "and/or the Triton SAGE kernel")
+                        help="the FMHAv2 SAGE kernels (reuse: tile_map_reuse.patch) and/or the Triton SAGE kernel")
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
     args = parser.parse_args(argv)
     if args.seq < 256 or args.heads < 1:
@@ -138,6 +136,7 @@ def main(argv=None) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from diffusers_trtllm.backends.trtllm import FMHA_V2_KV_STEP
     from diffusers_trtllm.kernels import fmha_v2_sage, triton_sage
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -161,9 +160,10 @@ def main(argv=None) -> None:
 
     def attend(kernel, factor=0.0, tile_map=None):
         """One call of ``kernel`` (quantization included); returns device counts (tested, reused) or None."""
-        if KERNELS[kernel]:
+        if kernel == "fmha_v2":
             counts = torch.zeros(2 if tile_map is not None else 1, dtype=torch.int32, device="cuda")
-            fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), scale, k_block=0, kv_step=KERNELS[kernel],
+            kv_step = FMHA_V2_KV_STEP if tile_map is None else fmha_v2_sage.REUSE_KV_STEP  # as the route runs them
+            fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), scale, k_block=0, kv_step=kv_step,
                                                 skip_factor=factor, skip_counts=counts if factor else None,
                                                 tile_map=tile_map)
             return counts if factor else None
@@ -175,7 +175,7 @@ def main(argv=None) -> None:
 
     def quantize(kernel):
         """One quantization of Q, K and V as ``kernel``'s call makes it (part of every SAGE row's time)."""
-        if KERNELS[kernel]:
+        if kernel == "fmha_v2":
             fmha_v2_sage.sage_quantize_packed(q, k, v, cu, seq, 0)
         else:
             triton_sage.sage_quantize(q, k, v, cu, cu, seq, seq, dtype_qk="fp8_e4m3", q_block=1, k_block=16)
@@ -219,7 +219,7 @@ def main(argv=None) -> None:
             starting(f"{kernel} sage+reuse", s)
             ms, test, reused, entries[kernel, s] = reuse(kernel, factor, entry)
             row(f"{kernel} sage+reuse", s, ms, test, reused, 2 * total - 2 * reused - test)
-    # the drift rows last: the FMHAv2 tile-map kernel stalled on a drifted map (RESULTS.md, 2026-12-05)
+    # the drift rows last: a kernel stalling on a drifted map (as a 256-key FMHAv2 one did: RESULTS.md) shows there
     for (kernel, s), entry in entries.items():
         factor, drifted = A * math.exp(B * s), []
         for step in range(args.steps):

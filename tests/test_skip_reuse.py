@@ -351,19 +351,26 @@ def test_trtllm_attn_reuses_on_hoppers_sage_kernels_and_refuses_elsewhere_naming
     assert KernelResult(torch.zeros(1)).reused_tiles is None
 
 
-def test_fmha_v2s_reuse_is_held_back_at_install_until_asked_for(monkeypatch):
-    """The FMHAv2 tile-map kernel stalled on its first full-size run: planning it for a site needs the opt-in,
-    and the refusal names the Triton route and the variable."""
+def test_fmha_v2s_reuse_steps_one_tile_at_a_time_and_the_reference_follows(monkeypatch):
+    """A reuse plan on the FMHAv2 SAGE route runs its tile-map kernel, whose KV step is one 128-key tile (a skip
+    plan keeps FlashInfer's 256-key steps); the reference asks for the same kernel's semantics."""
+    from diffusers_trtllm.backends import reference
+    from diffusers_trtllm.kernels import fmha_v2_sage
+
     monkeypatch.setattr(trtllm, "gpu_arch", lambda device: "sm_90")
     monkeypatch.setattr(trtllm, "flashinfer_unavailable_reason", lambda function: None)
-    monkeypatch.delenv(trtllm.FMHA_V2_REUSE_ENV, raising=False)
+    fp8 = AttnQuantSpec("fp8_e4m3")
     qkv = VarlenQKV(*(torch.zeros(256, 2, 128, dtype=torch.bfloat16) for _ in range(3)), (256,), (256,))
-    plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, quant=AttnQuantSpec("fp8_e4m3"), reuse=True)
-    reason = trtllm.unavailable_reason(plan, qkv)
-    assert "held back" in reason and "int8" in reason and f"{trtllm.FMHA_V2_REUSE_ENV}=1" in reason
-    assert trtllm.unavailable_reason(KernelPlan(**{**plan.__dict__, "reuse": False}), qkv) is None
-    monkeypatch.setenv(trtllm.FMHA_V2_REUSE_ENV, "1")
+    plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, quant=fp8, reuse=True)
     assert trtllm.unavailable_reason(plan, qkv) is None
+    assert trtllm.sage_semantics(fp8, "cuda", reuse=True).kv_step == fmha_v2_sage.REUSE_KV_STEP == 128
+    assert trtllm.sage_semantics(fp8, "cuda").kv_step == trtllm.FMHA_V2_KV_STEP == 256
+    asked = []
+    chosen = reference.sage_semantics
+    monkeypatch.setattr(reference, "sage_semantics", lambda *args: asked.append(args[-1]) or chosen(*args))
+    for reuse in (True, False):
+        reference._run(qkv, KernelPlan("TORCH_REFERENCE", 0.1, skip_factor=5.0, quant=fp8, reuse=reuse))
+    assert asked == [True, False]
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])

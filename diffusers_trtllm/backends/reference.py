@@ -293,8 +293,8 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
 def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     out = torch.empty_like(qkv.q)
     skipped = total = 0
-    semantics = (sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile)
-                 if plan.quant else None)
+    semantics = (sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile,
+                                plan.reuse) if plan.quant else None)
     k_mean = v_scale = None
     if semantics is not None and semantics.batch_stats:
         k_mean, v_scale = batch_statistics(qkv.k.float(), qkv.v.float())

@@ -44,8 +44,8 @@ statistics, FlashAttention-4 from its own, trtllm-gen from its base-2 log-sum-ex
 log-sum-exp (torch SDPA gives none; FMHAv2 is as fast on self-attention); the Triton SAGE kernel writes it too.
 
 Skip-Softmax reuse (``KernelPlan.reuse``, tile maps kept across steps): both Hopper SAGE kernels read a map and skip
-its tiles without loading them, FMHAv2's held back at install unless :data:`FMHA_V2_REUSE_ENV` is set
-(:func:`reuse_unavailable_reason` says which plans run it).
+its tiles without loading them, FMHAv2's at one 128-key tile per step (:func:`sage_semantics` with ``reuse``;
+:func:`reuse_unavailable_reason` says which plans run it).
 
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
 ``tile=(128, 128)`` predicts them), per 64 × 128 by the FMHAv2 SAGE kernel (both halves of a 256-key step against
@@ -68,8 +68,7 @@ import torch
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..config import (AUTO, CUDNN, DENSE_KERNELS, FLASH_ATTN4, FMHA_V2_DENSE, QK_DTYPES, TRTLLM_ATTN, AttnQuantSpec,
-                      env_switch)
+from ..config import AUTO, CUDNN, DENSE_KERNELS, FLASH_ATTN4, FMHA_V2_DENSE, QK_DTYPES, TRTLLM_ATTN, AttnQuantSpec
 from ..errors import BackendUnavailableError, invalid
 from ..kernels import flash_attn4, fmha_v2_sage, triton_sage
 from ..kernels.flashinfer_calls import FMHA_V2, SAGE_QUANTIZE, TRTLLM_GEN
@@ -188,17 +187,18 @@ def fmha_v2_sage_semantics(k_block: int, kv_step: int = FMHA_V2_KV_STEP,
 
 
 def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(1,), seqlens_kv=(1,), heads: int = 1,
-                   tile: tuple[int, int] = (128, 128)) -> SageSemantics:
+                   tile: tuple[int, int] = (128, 128), reuse: bool = False) -> SageSemantics:
     """What the SAGE kernel that ``TRTLLM_ATTN`` runs for ``quant`` on ``device`` computes for a batch of these
     lengths and query ``heads`` (block sizes resolved, P's fp8 scale, per-sequence or batch-wide statistics, the
-    Triton kernel's sample of query tiles). On a device without TRT-LLM kernels: this package's Triton kernel's
+    Triton kernel's sample of query tiles); ``reuse``: for a plan reusing tile maps (FMHAv2's tile-map kernel
+    steps through the keys one tile at a time). On a device without TRT-LLM kernels: this package's Triton kernel's
     semantics, with unset blocks as :data:`PORTABLE_BLOCKS`, deciding skips per ``tile``."""
     arch = gpu_arch(device)
     more_queries = more_queries_than_keys(seqlens_q, seqlens_kv)
     unset = quant.q_block_size is None or quant.k_block_size is None
     if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, more_queries) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
-        semantics = fmha_v2_sage_semantics(k_block)
+        semantics = fmha_v2_sage_semantics(k_block, fmha_v2_sage.REUSE_KV_STEP if reuse else FMHA_V2_KV_STEP)
         kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
     else:
         q_block = PORTABLE_BLOCKS[0] if quant.q_block_size is None else quant.q_block_size
@@ -267,10 +267,6 @@ def _blocks_text(quant: AttnQuantSpec, arch: str, offered: dict, more_queries_th
             "unset for the fastest")
 
 
-#: Opt-in to the FMHAv2 SAGE tile-map kernel, held back at install until it completes a full-size GPU run: on the
-#: H100 it ran Wan's 75,600 tokens from its own map but stalled on a drifted one (benchmarks/RESULTS.md)
-FMHA_V2_REUSE_ENV = "DIFFUSERS_TRTLLM_FMHA_V2_REUSE"
-
 #: What runs Skip-Softmax reuse, for the reason a plan that cannot gives
 REUSE_KERNELS = ("Skip-Softmax reuse (skip_softmax.reuse_steps) runs on Hopper's SAGE kernels, FMHAv2 (fp8_e4m3, "
                  "Q block 64, the default K block, no log-sum-exp) and Triton (int8, or Q/K blocks 1, 4, 16), and on "
@@ -293,18 +289,6 @@ def reuse_unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
         what = f"K block {quant.k_block_size}" if quant.k_block_size else "the log-sum-exp"
         return f"{REUSE_KERNELS} (this plan asks for {what})"
     return None
-
-
-def _held_back_reuse_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
-    """Why a reuse plan on the FMHAv2 SAGE route is not chosen now (:data:`FMHA_V2_REUSE_ENV`), or None. Read when
-    a site is planned; a planned call runs what was chosen."""
-    if not plan.reuse or plan.quant is None or gpu_arch(qkv.q.device) not in FMHA_V2_ARCHS or \
-            _hopper_sage_kernel(plan.quant, qkv.more_queries_than_keys) != "fmha_v2" or env_switch(FMHA_V2_REUSE_ENV):
-        return None
-    return ("Skip-Softmax reuse on the FMHAv2 SAGE kernel is held back until it completes a full-size GPU run (it "
-            "stalled on a drifted map at Wan's shape: benchmarks/RESULTS.md); reuse runs on the Triton SAGE kernel "
-            f"(quant.dtype_qk int8, or q/k blocks {list(TRITON_SAGE_BLOCKS)}), or set {FMHA_V2_REUSE_ENV}=1 to run "
-            "FMHAv2's")
 
 
 def _hopper_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
@@ -348,7 +332,7 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
     """``None`` when TRTLLM_ATTN can run ``plan`` on ``qkv`` on their device, else a sentence saying why not
     (the device first: on a machine without a supported GPU, that is the reason whatever the call)."""
     reason = (device_unavailable_reason(qkv.q.device) or _common_reason(plan, qkv)
-              or reuse_unavailable_reason(plan, qkv) or _held_back_reuse_reason(plan, qkv))
+              or reuse_unavailable_reason(plan, qkv))
     if reason is not None:
         return reason
     arch = gpu_arch(qkv.q.device)
@@ -358,7 +342,8 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
 
 
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
-    semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile)
+    semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile,
+                               plan.reuse)
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
         # with reuse the kernel always counts: the result reports the tiles skipped by the test and by reuse
         tile_map = tile_map_for(plan, qkv, fmha_v2_sage.SKIP_TILE)

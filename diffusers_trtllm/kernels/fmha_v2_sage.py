@@ -20,11 +20,11 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   row's ``exp(tile_max - running_max) < skip_factor / kv_len``, with ``running_max`` the one at the start of the
   KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart
   (``half_step_skip.patch``), or 128); the first KV step is never skipped;
-- Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in separate
-  kernels (``tile_map_reuse.patch``, :data:`REUSE_KV_STEPS`): the map's tiles are skipped untested, without
-  their K/V loads where both warpgroups of a CTA reuse a whole KV step, the others tested as above, and the tiles
-  the test skipped are added to the map. With 256-key steps a warpgroup leaves out Q·Kᵀ only for a step it
-  reuses whole; with 128-key steps a step is one tile.
+- Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in a separate
+  kernel (``tile_map_reuse.patch``) at :data:`REUSE_KV_STEP` keys per step, one tile, so that a reused tile
+  costs its warpgroup nothing whatever its neighbour does: the map's tiles are skipped untested, without their
+  K/V loads where both warpgroups of a CTA reuse them, the others tested as above, and the tiles the test skipped
+  are added to the map.
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
 every sequence with as many queries as keys, and V already transposed (``v_layout.patch``). A sequence with fewer
@@ -84,21 +84,20 @@ class SageKernel:
 LSE_KV_STEP = 256
 
 
-# The tile-map kernels: K block 0 (the route's default), at the route's KV step (two 128-key tiles per step) and
-# at one tile per step, where a reused tile costs nothing whatever its neighbour does (benchmarked beside it)
-REUSE_K_BLOCK, REUSE_KV_STEP = 0, 256
-REUSE_KV_STEPS = (REUSE_KV_STEP, 128)
+# The tile-map kernel: K block 0 (the route's default) at one tile per KV step. Its 256-key twin was slower at
+# Wan's size and stalled on drifted maps (benchmarks/RESULTS.md, 2026-12-05), so it is not built.
+REUSE_K_BLOCK, REUSE_KV_STEP = 0, 128
 
 
 def sage_kernels() -> tuple[SageKernel, ...]:
     """Every kernel the module builds: each compiled K block and KV step, with and without Skip-Softmax (K block
     128 at KV step 256 only: it exists for the block-size sweep), at :data:`LSE_KV_STEP` each of those again
     writing the softmax statistics (a separate kernel: the others stay as they were), and the Skip-Softmax
-    kernels at :data:`REUSE_K_BLOCK` and each of :data:`REUSE_KV_STEPS` again reusing a tile map."""
+    kernel at :data:`REUSE_K_BLOCK` and :data:`REUSE_KV_STEP` again reusing a tile map."""
     plain = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
                   for skip in (False, True) if not (k_block == 128 and kv_step != 256))
     return (plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
-            + tuple(SageKernel(REUSE_K_BLOCK, kv_step, True, reuse=True) for kv_step in REUSE_KV_STEPS))
+            + (SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, True, reuse=True),))
 
 
 SKIP_TILE = (Q_BLOCK, 128)  # (query rows, keys) per skip decision: one warpgroup's rows, half a 256-key step
@@ -449,11 +448,10 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     32)]`` contiguous on the tensors' device (:func:`tile_map_shape`): bit ``j % 32`` of word ``[b, h, i, j //
     32]`` set = KV tile ``j`` (keys ``[128 j, 128 j + 128)``) skipped for query tile ``i`` (rows ``[64 i, 64 i +
     64)``) of head ``h`` of sequence ``b``; bits past a sequence's tiles 0. The kernel skips the set tiles untested
-    (no Q·Kᵀ for a KV step whose tiles are all set for the query tile, no load where that holds for both
-    warpgroups' query tiles; a set 128-key half of a computed 256-key step enters neither the running max nor the
-    sum, its exps and P·V left out), tests the others as without a map, and sets the bits of the tiles its test
-    skipped (updated in place; zero the map for a step that tests every tile). Needs ``k_block``
-    :data:`REUSE_K_BLOCK`, a ``kv_step`` of :data:`REUSE_KV_STEPS`, no ``return_lse``; ``skip_factor`` 0 skips
+    (no Q·Kᵀ, exps or P·V for the query tile, no K/V load where both warpgroups' query tiles reuse the tile),
+    tests the others as without a map, and sets the bits of the tiles its test skipped (updated in place; zero
+    the map for a step that tests every tile). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step``
+    :data:`REUSE_KV_STEP`, no ``return_lse``; ``skip_factor`` 0 skips
     the map's tiles only. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused: the bits
     set on entry). GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels (see
     :func:`load_module`).
@@ -514,9 +512,9 @@ def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int,
     if tile_map.numel() >= 2 ** 31:
         raise ValueError(f"tile_map has {tile_map.numel()} words; the kernel addresses its rows with 32-bit offsets "
                          f"(fewer than 2^31 words): split the batch or its heads into several calls")
-    if k_block != REUSE_K_BLOCK or kv_step not in REUSE_KV_STEPS or return_lse:
-        raise ValueError(f"a tile map runs on the kernels with k_block={REUSE_K_BLOCK}, kv_step in "
-                         f"{REUSE_KV_STEPS} and no return_lse; got k_block={k_block}, kv_step={kv_step}, "
+    if k_block != REUSE_K_BLOCK or kv_step != REUSE_KV_STEP or return_lse:
+        raise ValueError(f"a tile map runs on the kernel with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} "
+                         f"and no return_lse; got k_block={k_block}, kv_step={kv_step}, "
                          f"return_lse={return_lse}")
 
 
