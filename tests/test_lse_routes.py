@@ -116,7 +116,8 @@ def test_sm90_dense_lse_with_fewer_queries_than_keys(monkeypatch, recording, den
 
     def fmha_v2(**kwargs):
         recording._record(FMHA_V2, kwargs)
-        q, k, _ = kwargs["qkv"]
+        q, kv = kwargs["qkv"]  # statistics come only with K and V stacked
+        k = kv[:, 0]
         stats = torch.cat([_fmha_v2_stats(q[a:b], k[c:d], SCALE) for a, b, c, d in zip(
             kwargs["cum_seq_lens_q"][:-1], kwargs["cum_seq_lens_q"][1:], kwargs["cum_seq_lens_kv"][:-1],
             kwargs["cum_seq_lens_kv"][1:])])
@@ -127,6 +128,7 @@ def test_sm90_dense_lse_with_fewer_queries_than_keys(monkeypatch, recording, den
     result = trtllm.run(qkv, KernelPlan("TRTLLM_ATTN" + dense_kernel, SCALE, return_lse=True))
     [(name, kw)] = recording.calls
     assert name == FMHA_V2 and kw["save_softmax_stats"] is True and kw["max_q_len"] == 300
+    assert kw["input_layout"] == "CONTIGUOUS_Q_KV" and torch.equal(kw["qkv"][1][:, 1], qkv.v)
     assert result.lse.shape == qkv.q.shape[:2] and result.lse.dtype == torch.float32
     torch.testing.assert_close(result.lse, _exact_lse(qkv), rtol=1e-5, atol=1e-5)
 
@@ -157,9 +159,10 @@ def test_blackwell_lse_is_base_2_and_smoothing_is_added_back(monkeypatch, record
 
 def test_hopper_sage_lse_adds_each_sequences_smoothing_back(monkeypatch):
     """The FMHAv2 SAGE kernel's statistics are of each sequence's smoothed K, at the keys' row layout (zero
-    queries after a shorter sequence's own): a stand-in kernel writes them exactly; the call returns the lse of
-    the unsmoothed scores at the queries' rows."""
+    queries after a shorter sequence's own), its max divided by the row's Q block scale (as the H200 showed): a
+    stand-in kernel writes them exactly; the call returns the lse of the unsmoothed scores at the queries' rows."""
     qkv = _qkv((40, 200), (300, 200), 8, 2)
+    q_scale = torch.rand(2, 8, 5) + 0.5  # [B, Hq, 64-row blocks of the longest key sequence]
     seen = {}
 
     class Module:
@@ -167,14 +170,15 @@ def test_hopper_sage_lse_adds_each_sequences_smoothing_back(monkeypatch):
                            stats, *ints_and_floats):
             seen["stats"], seen["args"] = stats, ints_and_floats
             start = 0
-            for (q, k, _, _), n in zip(qkv.sequences(), qkv.seqlens_kv):
+            for b, ((q, k, _, _), n) in enumerate(zip(qkv.sequences(), qkv.seqlens_kv)):
                 padded = torch.cat([q, q.new_zeros(n - q.shape[0], *q.shape[1:])])
                 stats[start:start + n] = _fmha_v2_stats(padded, k.double() - k.double().mean(0), SCALE)
+                stats[start:start + n, :, 0] /= q_scale[b].repeat_interleave(64, 1)[:, :n].T
                 start += n
 
     monkeypatch.setattr(fmha_v2_sage, "load_module", lambda: Module())
     monkeypatch.setattr(fmha_v2_sage, "sage_quantize_packed", lambda *a: fmha_v2_sage.PackedSage(
-        torch.zeros(qkv.k.shape[0], 10, 128), None, None, None, None, torch.ones(2, 2, 128), 0))
+        torch.zeros(qkv.k.shape[0], 10, 128), None, None, q_scale, None, torch.ones(2, 2, 128), 0))
     out, lse = fmha_v2_sage.fmha_v2_sage_attention(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), qkv.seqlens_kv, SCALE,
                                                    cu_seqlens_q=qkv.cu_seqlens("q"), seqlens_q=qkv.seqlens_q,
                                                    k_block=0, return_lse=True)

@@ -92,10 +92,14 @@ def fmha_v2_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, workspace: t
     ``scale`` multiplies Q·Kᵀ (bmm1); the output needs no rescale (bmm2 = 1). ``skip_factor`` 0 runs dense; else
     a KV tile is skipped when ``exp(tile_max - running_max) < skip_factor / kv_len`` for every row of its
     128-row query tile. ``return_lse``: the call returns ``(out, stats)`` with FMHAv2's softmax statistics
-    (:func:`fmha_v2_stats_lse` turns them into the log-sum-exp).
+    (:func:`fmha_v2_stats_lse` turns them into the log-sum-exp); it passes K and V stacked into one ``[total_kv, 2,
+    Hkv, D]`` tensor (a copy), the only layout for which the kernels save statistics (FlashInfer's C++ ends the
+    process on any other: "only CONTIGUOUS_Q_KV layout supports saving softmax stats").
     """
+    layout = dict(qkv=(q, torch.stack([k, v], dim=1)), input_layout="CONTIGUOUS_Q_KV") if return_lse else \
+        dict(qkv=(q, k, v), input_layout="SEPARATE_Q_K_V")
     return KernelCall(FMHA_V2, dict(
-        qkv=(q, k, v), input_layout="SEPARATE_Q_K_V", workspace_buffer=workspace, seq_lens=index.seq_lens_kv,
+        **layout, workspace_buffer=workspace, seq_lens=index.seq_lens_kv,
         max_q_len=index.max_q_len, max_kv_len=index.max_kv_len, bmm1_scale=float(scale), bmm2_scale=1.0,
         batch_size=index.batch_size, cum_seq_lens_q=index.cum_seq_lens_q, cum_seq_lens_kv=index.cum_seq_lens_kv,
         mask_mode="padding", save_softmax_stats=bool(return_lse),
@@ -107,8 +111,9 @@ def fmha_v2_stats_lse(stats: torch.Tensor, scale: float, head_dim: int) -> torch
 
     The warp-specialized kernels (``fmha/hopper/fragment.h``'s ``Softmax_saver_tma``, FlashInfer 0.7.2 and 0.7.4)
     store per row ``(max / sqrt(head_dim), sum)``: ``max`` the row's largest unscaled score Q·Kᵀ over the keys it
-    kept (SAGE: dequantized, of smoothed K), ``sum`` = Σ exp(scale · (score - max)) over them (e4m3: P's fp8 scale
-    divided out). Hence LSE = scale · max + ln(sum), whatever ``scale`` is (the stored max assumes 1 / sqrt(d)).
+    kept (this package's SAGE kernels: of smoothed K, and divided by the row's Q block scale, which the caller
+    multiplies back first), ``sum`` = Σ exp(scale · (score - max)) over them (e4m3: P's fp8 scale divided out).
+    Hence LSE = scale · max + ln(sum), whatever ``scale`` is (the stored max assumes 1 / sqrt(d)).
     """
     return stats[..., 0] * (scale * head_dim ** 0.5) + stats[..., 1].log()
 

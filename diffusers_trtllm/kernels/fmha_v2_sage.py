@@ -488,9 +488,18 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     out = drop_padded_queries(out, seqlens_q, tuple(seqlens)) if padded else out
     if not return_lse:
         return out
+    stats[..., 0] *= row_q_scales(packed.q_scale, tuple(seqlens))  # the kernel stores the max without it
     lse = fmha_v2_stats_lse(stats, scale, HEAD_DIM)
     lse = drop_padded_queries(lse, seqlens_q, tuple(seqlens)) if padded else lse
     return out, lse + smoothing_shift(q, k, seqlens_q, seqlens, scale)
+
+
+def row_q_scales(q_scale: torch.Tensor, seqlens: tuple[int, ...]) -> torch.Tensor:
+    """``[T, Hq]`` float32: the Q block scale of each row of the keys' layout (``q_scale`` ``[B, Hq, blocks]`` of
+    :class:`PackedSage`, ``seqlens`` the key lengths), by which the kernel's saved row max is short."""
+    batch, heads, blocks = q_scale.shape
+    rows = torch.cat([torch.arange(n, device=q_scale.device) // Q_BLOCK + b * blocks for b, n in enumerate(seqlens)])
+    return q_scale.transpose(1, 2).reshape(batch * blocks, heads)[rows]
 
 
 def tile_map_shape(seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], heads_q: int) -> tuple[int, ...]:
