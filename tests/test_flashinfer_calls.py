@@ -99,7 +99,7 @@ def recording(monkeypatch):
     real = pytest.importorskip("flashinfer.prefill")
     fake = RecordingFlashInfer(real)
     monkeypatch.setattr(flashinfer_fmha, "flashinfer_prefill", lambda: fake)
-    monkeypatch.setattr(flashinfer_fmha, "_prepare_fmha_v2", lambda device, dtype: None)
+    monkeypatch.setattr(flashinfer_fmha, "_prepare_fmha_v2", lambda device, dtype, layout: None)
     monkeypatch.setattr(flashinfer_fmha, "WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(flashinfer_fmha, "_workspaces", flashinfer_fmha.StreamWorkspaces(4))
     return fake

@@ -241,7 +241,7 @@ def kernels(monkeypatch, hopper):
     fa4, fmha = RecordingFlashAttention4(), RecordingFMHAv2()
     monkeypatch.setattr(flash_attn4, "flash_attn4_module", lambda: fa4)
     monkeypatch.setattr(flashinfer_fmha, "flashinfer_prefill", lambda: fmha)
-    monkeypatch.setattr(flashinfer_fmha, "_prepare_fmha_v2", lambda device, dtype: None)
+    monkeypatch.setattr(flashinfer_fmha, "_prepare_fmha_v2", lambda device, dtype, layout: None)
     monkeypatch.setattr(flashinfer_fmha, "WORKSPACE_BYTES", 1024)
     monkeypatch.setattr(flashinfer_fmha, "_workspaces", flashinfer_fmha.StreamWorkspaces(4))
     return fa4, fmha
@@ -316,6 +316,24 @@ def test_warmup_builds_the_routed_dense_kernel_beside_fmha_v2(kernels, monkeypat
     timings = trtllm.warmup("cpu", sage=False)
     assert list(timings) == ["sm_90 torch.bfloat16", "sm_90 torch.bfloat16 dense flash_attn4"]
     assert len(fa4.calls) == 1 and len(fmha.calls) == 1
+
+
+def test_warmup_with_lse_prepares_the_fmha_v2_layout_that_saves_statistics(kernels, monkeypatch):
+    fa4, fmha = kernels
+    prepared, ready = [], set()
+
+    def prepare(device, dtype, layout):  # each layout once: the build is per layout
+        prepared.append(layout)
+        ready.add((device, dtype, layout))
+
+    monkeypatch.setattr(flashinfer_fmha, "_prepare_fmha_v2", prepare)
+    monkeypatch.setattr(flashinfer_fmha, "_ready_fmha_v2", ready)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    timings = trtllm.warmup("cpu", sage=False, dense_kernel="fmha_v2", lse=True)
+    assert list(timings) == ["sm_90 torch.bfloat16", "sm_90 torch.bfloat16 dense fmha_v2",
+                             "sm_90 torch.bfloat16 lse", "sm_90 torch.bfloat16 dense fmha_v2 lse"]
+    assert prepared == ["SEPARATE_Q_K_V", "CONTIGUOUS_Q_KV"]
+    assert [c["input_layout"] for c in fmha.calls] == ["SEPARATE_Q_K_V"] * 2 + ["CONTIGUOUS_Q_KV"] * 2
 
 
 # -------------------------------------------------------------------- stated in the plan and the statistics

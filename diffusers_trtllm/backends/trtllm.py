@@ -59,6 +59,7 @@ the Triton kernel's rule of skipping only in the heads where its sampled query t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -419,7 +420,7 @@ def _with_lse(plan: KernelPlan, result) -> KernelResult:
 
 
 def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), sage: bool = True,
-           dense_kernel: str = AUTO) -> dict[str, float]:
+           dense_kernel: str = AUTO, lse: bool = False) -> dict[str, float]:
     """Build or fetch everything TRTLLM_ATTN needs on ``device`` (default: the current CUDA device), now.
 
     Hopper: JIT-compiles FlashInfer's FMHAv2 module for each dtype (dense and Skip-Softmax kernels are one
@@ -427,7 +428,9 @@ def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), s
     class, so its warm-up covers the small shape only) and, with ``sage``, the FMHAv2 SAGE kernels and the Triton
     SAGE kernel (minutes the first time on a machine, a load afterwards). Blackwell: loads the trtllm-gen module
     and its cubins (downloaded on first use; see :class:`CubinUnavailableError`) with one small dense call, and
-    with ``sage`` one SAGE call per Q/K dtype the GPU has kernels for. Returns seconds per step.
+    with ``sage`` one SAGE call per Q/K dtype the GPU has kernels for. ``lse``: each of those calls again returning
+    the log-sum-exp (ring attention; on Hopper FlashInfer builds FMHAv2 with statistics as a module of its own).
+    Returns seconds per step.
     """
     device = torch.device(device if device is not None else "cuda")
     arch = gpu_arch(device)
@@ -443,6 +446,8 @@ def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), s
         if sage:
             plans += [KernelPlan(backend=TRTLLM_ATTN, scale=HEAD_DIM ** -0.5, quant=quant)
                       for quant in sage_specs_with_kernels(arch)]
+        if lse:
+            plans += [dataclasses.replace(plan, return_lse=True) for plan in plans]
         qkv = VarlenQKV(*(torch.zeros(256, 1, HEAD_DIM, dtype=dtype, device=device) for _ in range(3)),
                         (256,), (256,))
         for plan in plans:
@@ -450,7 +455,8 @@ def warmup(device: torch.device | str | None = None, dtypes=(torch.bfloat16,), s
             if reason is not None:
                 raise RuntimeError(f"TRTLLM_ATTN cannot warm up on {device}: {reason}")
             step = f"{arch} {dtype}" + (f" sage {plan.quant.dtype_qk}" if plan.quant else "") + (
-                f" dense {dense_kernel_of(plan.backend)}" if dense_kernel_of(plan.backend) else "")
+                f" dense {dense_kernel_of(plan.backend)}" if dense_kernel_of(plan.backend) else "") + (
+                " lse" if plan.return_lse else "")
             logger.info("TRTLLM_ATTN warm-up: %s", step)
             start = time.perf_counter()
             run(qkv, plan)

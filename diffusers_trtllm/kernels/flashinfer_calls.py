@@ -84,6 +84,11 @@ class KernelCall:
         return getattr(module, self.function)(**self.kwargs)
 
 
+def fmha_v2_layout(return_lse: bool) -> str:
+    """FlashInfer's FMHAv2 input layout of :func:`fmha_v2_call` (each layout is its own JIT module)."""
+    return "CONTIGUOUS_Q_KV" if return_lse else "SEPARATE_Q_K_V"
+
+
 def fmha_v2_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, workspace: torch.Tensor, index: RaggedIndex,
                  scale: float, skip_factor: float, return_lse: bool = False) -> KernelCall:
     """FMHAv2 (Hopper) dense or Skip-Softmax attention, non-causal.
@@ -96,10 +101,9 @@ def fmha_v2_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, workspace: t
     Hkv, D]`` tensor (a copy), the only layout for which the kernels save statistics (FlashInfer's C++ ends the
     process on any other: "only CONTIGUOUS_Q_KV layout supports saving softmax stats").
     """
-    layout = dict(qkv=(q, torch.stack([k, v], dim=1)), input_layout="CONTIGUOUS_Q_KV") if return_lse else \
-        dict(qkv=(q, k, v), input_layout="SEPARATE_Q_K_V")
+    qkv = (q, torch.stack([k, v], dim=1)) if return_lse else (q, k, v)
     return KernelCall(FMHA_V2, dict(
-        **layout, workspace_buffer=workspace, seq_lens=index.seq_lens_kv,
+        qkv=qkv, input_layout=fmha_v2_layout(return_lse), workspace_buffer=workspace, seq_lens=index.seq_lens_kv,
         max_q_len=index.max_q_len, max_kv_len=index.max_kv_len, bmm1_scale=float(scale), bmm2_scale=1.0,
         batch_size=index.batch_size, cum_seq_lens_q=index.cum_seq_lens_q, cum_seq_lens_kv=index.cum_seq_lens_kv,
         mask_mode="padding", save_softmax_stats=bool(return_lse),

@@ -25,8 +25,8 @@ from collections import OrderedDict
 
 import torch
 
-from .flashinfer_calls import (LN2, RaggedIndex, SageScales, build_ragged_index, fmha_v2_call, fmha_v2_stats_lse,
-                               sage_quantize_call, trtllm_gen_call)
+from .flashinfer_calls import (LN2, RaggedIndex, SageScales, build_ragged_index, fmha_v2_call, fmha_v2_layout,
+                               fmha_v2_stats_lse, sage_quantize_call, trtllm_gen_call)
 from .numerics import smoothing_lse_shift
 
 logger = logging.getLogger("diffusers_trtllm")
@@ -35,9 +35,8 @@ WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's own DiT tests use this size 
 # Streams per device whose workspace stays allocated: a pipeline uses one, a server a few; beyond that the least
 # recently used stream's buffer goes back to PyTorch's allocator (and is zeroed anew if that stream returns).
 WORKSPACES_PER_DEVICE = 4
-FMHA_V2_LAYOUT = "SEPARATE_Q_K_V"
 
-_ready_fmha_v2: set[tuple[torch.device, torch.dtype]] = set()
+_ready_fmha_v2: set[tuple[torch.device, torch.dtype, str]] = set()  # (device, dtype, FMHAv2 input layout)
 
 
 class CubinUnavailableError(RuntimeError):
@@ -141,8 +140,9 @@ def fmha_v2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens
     its scaled scores over the keys it kept (:func:`~.flashinfer_calls.fmha_v2_stats_lse`).
     """
     device = _canonical(q.device)
-    if (device, q.dtype) not in _ready_fmha_v2:
-        _prepare_fmha_v2(device, q.dtype)
+    layout = fmha_v2_layout(return_lse)
+    if (device, q.dtype, layout) not in _ready_fmha_v2:
+        _prepare_fmha_v2(device, q.dtype, layout)
     padded = any(nq < nkv for nq, nkv in zip(seqlens_q, seqlens_kv))
     run_q, run_lens = pad_queries_to_keys(q, seqlens_q, seqlens_kv) if padded else (q, tuple(seqlens_q))
     index = ragged_index(run_lens, tuple(seqlens_kv), device)
@@ -181,34 +181,35 @@ def drop_padded_queries(out: torch.Tensor, seqlens_q: tuple[int, ...], run_lens:
     return torch.cat(pieces)
 
 
-def _prepare_fmha_v2(device: torch.device, dtype: torch.dtype) -> None:
-    """Build (or load) FlashInfer's FMHAv2 module for ``dtype`` and say so: the first build takes minutes."""
+def _prepare_fmha_v2(device: torch.device, dtype: torch.dtype, layout: str) -> None:
+    """Build (or load) FlashInfer's FMHAv2 module for ``dtype`` and input ``layout`` and say so: the first build
+    takes minutes."""
     prefill = flashinfer_prefill()
-    built_dir, cached = _fmha_v2_build_state(dtype)
+    built_dir, cached = _fmha_v2_build_state(dtype, layout)
     if cached:
-        logger.info("loading FlashInfer FMHAv2 (%s, %s) from its JIT cache %s", FMHA_V2_LAYOUT, dtype, built_dir)
+        logger.info("loading FlashInfer FMHAv2 (%s, %s) from its JIT cache %s", layout, dtype, built_dir)
     else:
         logger.warning(
             "building FlashInfer's TRT-LLM FMHAv2 kernels (%s, %s, sm_90) with nvcc into %s: about 90 s on 16 cores "
             "(MAX_JOBS=%s), once per machine; set FLASHINFER_WORKSPACE_BASE to move the cache, call "
-            "diffusers_trtllm.backends.trtllm.warmup() to do it ahead of time", FMHA_V2_LAYOUT, dtype,
+            "diffusers_trtllm.backends.trtllm.warmup() to do it ahead of time", layout, dtype,
             built_dir or "FlashInfer's JIT cache", os.environ.get("MAX_JOBS", "unset"))
     start = time.perf_counter()
     with torch.cuda.device(device):
-        prefill.get_trtllm_fmha_v2_module(FMHA_V2_LAYOUT, dtype)
+        prefill.get_trtllm_fmha_v2_module(layout, dtype)
     if not cached:
-        logger.warning("FlashInfer FMHAv2 (%s, %s) ready after %.1f s", FMHA_V2_LAYOUT, dtype,
+        logger.warning("FlashInfer FMHAv2 (%s, %s) ready after %.1f s", layout, dtype,
                        time.perf_counter() - start)
-    _ready_fmha_v2.add((device, dtype))
+    _ready_fmha_v2.add((device, dtype, layout))
 
 
-def _fmha_v2_build_state(dtype: torch.dtype) -> tuple[str | None, bool]:
+def _fmha_v2_build_state(dtype: torch.dtype, layout: str) -> tuple[str | None, bool]:
     """``(build folder, already built)`` of FlashInfer's FMHAv2 JIT module, read through FlashInfer's own spec.
     Internal FlashInfer API: when it moves, report ``(None, False)`` (the build then just logs less precisely)."""
     try:
         from flashinfer.jit.attention import gen_fmha_v2_module
 
-        spec = gen_fmha_v2_module(FMHA_V2_LAYOUT, dtype)
+        spec = gen_fmha_v2_module(layout, dtype)
         return str(spec.build_dir), bool(spec.is_compiled)
     except Exception as exc:  # noqa: BLE001 - logging only
         logger.debug("could not inspect FlashInfer's FMHAv2 JIT cache: %r", exc)
