@@ -11,8 +11,10 @@ and to cuDNN SDPA forced, and attention's share of the step (1 - no-attention ti
 configuration runs in its own try/except: a failure is a row with the error, not a lost run.
 
 Random weights give near-Gaussian attention scores, far less peaked than a trained model's: the tiles skipped at
-a given λ differ from a real run's (FlashInfer's kernels do not count them), so skip rows measure the kernel at
-this data, not a model's speed-up.
+a given λ differ from a real run's, so skip rows measure the kernel at this data, not a model's speed-up. Each
+skip row reports the share of tiles skipped (reused, in brackets) at the second of two untimed eager calls of one
+run with statistics on, where its kernel counts (the SAGE kernels and TORCH_REFERENCE; FlashInfer's bf16 kernels
+do not: "n/a").
 
 With ``--compile blocks`` every transformer block is compiled with ``block.compile(fullgraph=True)`` (what
 diffusers' ``compile_repeated_blocks(fullgraph=True)`` does) after the processors are installed, and each row
@@ -69,13 +71,15 @@ DEFAULT_GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none")
 @dataclass
 class BenchConfig:
     """A row: an attention config installed with ``enable_trtllm_attention`` (None: diffusers' own processors)
-    and a context around the timed calls (forced SDPA kernel, attention removed); ``eager``: never compiled."""
+    and a context around the timed calls (forced SDPA kernel, attention removed); ``eager``: never compiled;
+    ``skips``: the config runs Skip-Softmax (the row reports the tiles skipped, counted apart from the timing)."""
 
     label: str
     config: object | None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     unavailable: str | None = None
     eager: bool = False
+    skips: bool = False
 
 
 @dataclass
@@ -89,6 +93,8 @@ class Row:
     vs_sdpa: float | None = None
     vs_cudnn: float | None = None
     vs_diffusers: float | None = None
+    sparsity: float | None = None
+    reused: float | None = None
     ran: str = ""
     error: str = ""
 
@@ -115,17 +121,19 @@ def bench_configs(entry: ModelEntry, groups, lambdas, feature_backend: str, on_c
     if "dense" in groups:
         configs.append(BenchConfig(f"{feature_backend} dense", trt()))
     if "skip" in groups:
-        configs += [BenchConfig(f"{feature_backend} skip λ={lam:g}", trt(skip={"threshold": lam})) for lam in lambdas]
+        configs += [BenchConfig(f"{feature_backend} skip λ={lam:g}", trt(skip={"threshold": lam}), skips=True)
+                    for lam in lambdas]
     if "sage" in groups:
         configs += [BenchConfig(f"{feature_backend} SAGE {dtype}", trt(quant=AttnQuantSpec(dtype_qk=dtype)))
                     for dtype in sage_dtypes]
     if "sage_skip" in groups:
         configs.append(BenchConfig(f"{feature_backend} SAGE fp8_e4m3 + skip λ={lambdas[-1]:g}",
-                                   trt(skip={"threshold": lambdas[-1]}, quant=AttnQuantSpec(dtype_qk="fp8_e4m3"))))
+                                   trt(skip={"threshold": lambdas[-1]}, quant=AttnQuantSpec(dtype_qk="fp8_e4m3")),
+                                   skips=True))
     if "sage_reuse" in groups:  # every timed call a reusing step: the calls are successive steps of one run
         configs.append(BenchConfig(f"{feature_backend} SAGE fp8_e4m3 + skip λ={lambdas[-1]:g} + reuse",
                                    trt(skip={"threshold": lambdas[-1], "reuse_steps": REUSE_STEPS},
-                                       quant=AttnQuantSpec(dtype_qk="fp8_e4m3"))))
+                                       quant=AttnQuantSpec(dtype_qk="fp8_e4m3")), skips=True))
     if "none" in groups:
         configs.append(BenchConfig(NO_ATTENTION_LABEL, sdpa, no_attention))
     return configs
@@ -202,6 +210,18 @@ def time_config(model, run: SpeedRun, inputs: dict, bench: BenchConfig, repeats:
     return row
 
 
+def tiles_skipped(model, inputs: dict, bench: BenchConfig) -> tuple[float | None, float | None]:
+    """``(sparsity, reused share)`` at the second of two eager calls, steps of one run with statistics on (the
+    reuse row's second step reuses the first's maps): what the timed calls skipped, counted apart from them.
+    None where the kernel does not count (FlashInfer's own)."""
+    with enable_trtllm_attention(model, bench.config) as handle, torch.no_grad():
+        for _ in range(2):
+            with step_of_one_run(model):
+                model(**inputs)
+        last = max(handle.stats.per_step(), default=None)
+        return handle.stats.per_step().get(last), handle.stats.reused_per_step().get(last)
+
+
 def step_of_one_run(model):
     """Each call a step of one run, as a pipeline's denoising loop makes them (the name-only ``cache_context``
     channel: the name seen again is the next step), so Skip-Softmax reuse reuses the last call's tile maps."""
@@ -259,6 +279,8 @@ def bench_model(entry: ModelEntry, run: SpeedRun, configs, args, device, dtype, 
             try:
                 row = time_config(model, run, inputs, bench, args.repeats, device, args.compile == "blocks")
                 row.model = entry.name
+                if bench.skips:
+                    row.sparsity, row.reused = tiles_skipped(model, inputs, bench)
             except Exception as e:  # noqa: BLE001  (record and go on: one failure must not lose the run)
                 message = str(e).splitlines()[0] if str(e) else ""
                 row = Row(entry.name, bench.label, error=f"{type(e).__name__}: {message}"[:300])
@@ -292,17 +314,25 @@ def report(results: list[dict]) -> str:
             continue
         table = markdown_table(
             ("configuration", "step (ms)", "× vs TORCH_SDPA", "× vs cuDNN", "× vs diffusers", "compile (s)",
-             "peak GB", "ran", "notes"),
+             "peak GB", "skipped (reused)", "ran", "notes"),
             [(r["label"], format_number(r["ms"], 1), format_number(r["vs_sdpa"], 3, "×"),
               format_number(r["vs_cudnn"], 3, "×"), format_number(r["vs_diffusers"], 3, "×"),
-              format_number(r["compile_s"], 1), format_number(r["peak_gb"], 1), r["ran"], r["error"])
-             for r in res["rows"]], "lrrrrrrll")
+              format_number(r["compile_s"], 1), format_number(r["peak_gb"], 1), skipped_cell(r), r["ran"],
+              r["error"])
+             for r in res["rows"]], "lrrrrrrrll")
         share = ", ".join(f"{format_number(res[k], 3)} of the {name} step" for k, name in
                           (("attention_share_sdpa", "TORCH_SDPA"), ("attention_share_cudnn", "cuDNN")) if k in res)
         lines += [title, "", f"{res['params'] / 1e9:.3g} B parameters ({res['layers']}), built in "
                   f"{res['build_s']:.1f} s", "",
                   table, "", f"attention share: {share or 'n/a'}", ""]
     return "\n".join(lines)
+
+
+def skipped_cell(row: dict) -> str:
+    """A row's share of tiles skipped, with the share reused in brackets ("n/a": not counted or no skipping)."""
+    if row["sparsity"] is None:
+        return "n/a"
+    return f"{row['sparsity']:.3f}" + (f" ({row['reused']:.3f})" if row["reused"] else "")
 
 
 def main(argv=None) -> dict:

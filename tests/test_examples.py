@@ -276,6 +276,33 @@ def test_transformer_step_benchmark_runs_standalone(tmp_path):
         assert f"| TORCH_REFERENCE skip λ=0.5 | {rows['TORCH_REFERENCE skip λ=0.5']['ms']:.1f} |" in proc.stdout
 
 
+def test_transformer_step_reports_the_tiles_skipped_and_reused(tmp_path, monkeypatch):
+    """Skip rows report the share of tiles skipped at a run's second step, reuse rows the share reused too;
+    the tiny Wan's self-attention made positional (constant q and k: scores follow RoPE) so that far tiles skip."""
+    benchmark = load_script("benchmarks/transformer_step.py")
+    build = benchmark.build_transformer
+
+    def positional(*args):
+        model = build(*args)
+        for block in model.blocks:
+            for projection in (block.attn1.to_q, block.attn1.to_k):
+                projection.weight.data.zero_()
+                projection.bias.data.fill_(1.0)
+            block.attn1.norm_q.weight.data.fill_(3.0)
+            block.attn1.norm_k.weight.data.fill_(3.0)
+        return model
+
+    monkeypatch.setattr(benchmark, "build_transformer", positional)
+    result = benchmark.main(["--tiny", "--models", "wan", "--frames", "33", "--configs", "sdpa", "skip", "sage_reuse",
+                             "--lambdas", "0.5", "--output", str(tmp_path / "step.json")])
+    sdpa, skip, reuse = result["results"][0]["rows"]
+    assert sdpa["sparsity"] is None and sdpa["reused"] is None
+    assert 0.2 < skip["sparsity"] < 0.9 and not skip["reused"]
+    assert 0.2 < reuse["reused"] <= reuse["sparsity"] < 0.9
+    assert f"| {skip['sparsity']:.3f} |" in result["markdown"]
+    assert f"| {reuse['sparsity']:.3f} ({reuse['reused']:.3f}) |" in result["markdown"]
+
+
 def test_transformer_step_benchmark_records_a_failing_configuration(tmp_path, monkeypatch):
     benchmark = load_script("benchmarks/transformer_step.py")
 
