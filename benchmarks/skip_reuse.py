@@ -15,6 +15,8 @@ FMHAv2 runs its dense and Skip-Softmax rows at the route's 256-key steps and its
 "sage+reuse drift" ``--steps`` steps of a drift model: before each step a fraction ``--drift`` of the map's set bits
 is cleared and as many unset bits are set (decisions that moved between denoising steps), from the map the
 previous step left. Each timed call starts from its step's map (a copy: the kernel updates it in place).
+"sage+reuse of every tile" runs from a map holding every tile: the kernel computes each query tile's first KV
+step only and walks past the rest, so its time less the quantization is what walking the map costs.
 
 Prints a markdown table (with each kernel's quantization time alone, part of its rows' times), each row as its
 case finishes (a line names each case as it starts, so a stalled kernel shows where): ms, speedup vs cuDNN, tiles
@@ -33,7 +35,7 @@ import sys
 
 A, B = 2822.62, 4.388  # NVIDIA's Wan 2.2 fit: factor = a · exp(b · s)
 HEAD_DIM = 128
-CASES = ("cudnn", "sage", "sage+skip", "sage+reuse", "sage+reuse drift")
+CASES = ("cudnn", "sage", "sage+reuse of every tile", "sage+skip", "sage+reuse", "sage+reuse drift")
 KERNELS = ("fmha_v2", "triton")  # the SAGE fp8 kernels with tile maps, each timed with its own quantization
 
 
@@ -136,6 +138,7 @@ def main(argv=None) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from diffusers_trtllm.backends.base import pack_tile_map
     from diffusers_trtllm.backends.trtllm import FMHA_V2_KV_STEP
     from diffusers_trtllm.kernels import fmha_v2_sage, triton_sage
 
@@ -148,6 +151,8 @@ def main(argv=None) -> None:
     q, k, v = data(seq, heads, offsets, gen)
     flops_per_tile = 2 * 64 * 128 * HEAD_DIM  # one GEMM of one tile
     shape = fmha_v2_sage.tile_map_shape((seq,), (seq,), heads)
+    kv_tiles = -(-seq // 128)
+    every_tile = pack_tile_map(torch.ones(shape[:3] + (kv_tiles,), dtype=torch.bool, device="cuda"), shape[-1])
     cudnn_ms = None
 
     def starting(case, s="-"):
@@ -206,6 +211,9 @@ def main(argv=None) -> None:
               "| - | - | - | - |", flush=True)
         starting(f"{kernel} sage")
         row(f"{kernel} sage", "-", timed(lambda: attend(kernel), args.iters), 0, 0, 2 * total)
+        starting(f"{kernel} sage+reuse of every tile")
+        ms, test, reused, _ = reuse(kernel, A * math.exp(B * args.sparsity[0]), every_tile)
+        row(f"{kernel} sage+reuse of every tile", "-", ms, test, reused, 2 * total - 2 * reused - test)
         for s in args.sparsity:
             factor = A * math.exp(B * s)
             starting(f"{kernel} sage+skip", s)
@@ -224,7 +232,7 @@ def main(argv=None) -> None:
         factor, drifted = A * math.exp(B * s), []
         for step in range(args.steps):
             starting(f"{kernel} sage+reuse drift step {step + 1}/{args.steps}", s)
-            ms, test, reused, entry = reuse(kernel, factor, drift_map(entry, -(-seq // 128), args.drift, gen))
+            ms, test, reused, entry = reuse(kernel, factor, drift_map(entry, kv_tiles, args.drift, gen))
             drifted.append((ms, test, reused))
         ms, test, reused = (sum(x) / args.steps for x in zip(*drifted))
         row(f"{kernel} sage+reuse drift {args.drift}", s, ms, test, reused, 2 * total - 2 * reused - test)
