@@ -218,8 +218,9 @@ def tiles_skipped(model, inputs: dict, bench: BenchConfig) -> tuple[float | None
         for _ in range(2):
             with step_of_one_run(model):
                 model(**inputs)
-        last = max(handle.stats.per_step(), default=None)
-        return handle.stats.per_step().get(last), handle.stats.reused_per_step().get(last)
+        per_step = handle.stats.per_step()
+        last = max(per_step, default=None)
+        return per_step.get(last), handle.stats.reused_per_step().get(last)
 
 
 def step_of_one_run(model):
