@@ -61,19 +61,18 @@ def loops(code: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
 def loop_report(sass: str) -> dict:
     """Figures of the compute warpgroups' KV loop (the innermost loop with GMMAs) and of the DMA warp's (the
     innermost with TMA loads and no GMMA): spill instructions in the first; global loads in the second, and
-    whether a branch ahead of its first barrier wait (for a free K/V buffer) jumps past all its TMA loads within
-    the loop (a step left unloaded)."""
+    whether it holds an inner loop with global loads and no TMA load (the tile-map kernel's scan of its map for
+    the next step to load, ``tile_map_reuse.patch``)."""
     body = loops(instructions(sass))
     compute = next((b for b in body if any("QGMMA" in o for _, o in b)), [])
     dma = next((b for b in body if any("UTMALDG" in o for _, o in b) and not any("QGMMA" in o for _, o in b)), [])
-    loads = [a for a, o in dma if "UTMALDG" in o]
-    first_wait = next((a for a, o in dma if "SYNCS.PHASECHK" in o), 0)
-    skips = any((t := BRANCH.search(o)) and a < first_wait and loads[-1] < int(t.group(1), 16) <= dma[-1][0]
-                for a, o in dma) if loads else False
+    scan = dma and any(len(b) < len(dma) and dma[0][0] <= b[0][0] and b[-1][0] <= dma[-1][0]
+                       and any(re.search(r"\bLDG\b", o) for _, o in b) and not any("UTMALDG" in o for _, o in b)
+                       for b in body)
     return dict(loop_qgmma=sum("QGMMA" in o for _, o in compute),
                 loop_spills=sum(bool(re.search(r"\b(?:LDL|STL)\b", o)) for _, o in compute),
-                dma_ldg=sum(bool(re.search(r"\bLDG\b", o)) for _, o in dma), dma_tma=len(loads),
-                dma_skips_tma=skips)
+                dma_ldg=sum(bool(re.search(r"\bLDG\b", o)) for _, o in dma), dma_tma=sum("UTMALDG" in o for _, o in dma),
+                dma_scan=bool(scan))
 
 
 def same_code(sass: str, other: str) -> bool:
@@ -153,7 +152,7 @@ def main() -> None:
         rows = list(tqdm(pool.map(lambda c: report(*c, args.sass, args.compare), commands), total=len(commands),
                          desc="nvcc sm_90a", unit="kernel"))
     columns = ["kernel", "registers", "spill_stores", "spill_loads", "notes"] + (
-        ["qgmma", "spill_instructions", "loop_qgmma", "loop_spills", "dma_ldg", "dma_tma", "dma_skips_tma"]
+        ["qgmma", "spill_instructions", "loop_qgmma", "loop_spills", "dma_ldg", "dma_tma", "dma_scan"]
         if args.sass else []) + (["same_sass"] if args.compare else [])
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for row in sorted(rows, key=lambda r: r["kernel"]):

@@ -1,8 +1,8 @@
 """Skip-Softmax reuse in Hopper's FMHAv2 SAGE kernel (issue 47, csrc/fmha_v2_patches/tile_map_reuse.patch).
 
-The tile-map kernel skips the tiles of a map untested (no K/V load for a step both warpgroups reuse whole, no
-Q·Kᵀ for a warpgroup's fully reused step, reused halves out of the max, the sum and P·V) and ORs the tiles its
-test skips into the map. CPU: the kernel's build entry, the wrapper's refusals, the binding's arguments and the
+The tile-map kernel (one 128-key tile per KV step) skips the tiles of a map untested (no K/V load for a step
+both warpgroups reuse, no Q·Kᵀ, exps or P·V for a warpgroup that reuses a loaded step) and ORs the tiles its test
+skips into the map. CPU: the kernel's build entry, the wrapper's refusals, the binding's arguments and the
 route's plumbing. GPU (``-m gpu``, sm_90): against ``TORCH_REFERENCE`` with the same map, which emulates the
 kernel's fp8 sums, so skip decisions agree tile for tile.
 """
@@ -46,7 +46,9 @@ def test_one_tile_map_kernel_with_its_own_names_and_flag():
     # keeping FlashInfer's step by the preprocessor
     assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
     dma, compute = sources["fmha/warpspec/dma.h"], sources["fmha/warpspec/compute.h"]
-    assert "if (!kv_step_loaded(reused_halves(params, row, kv_step_idx),\n" in dma
+    # the DMA warp and the compute warpgroups scan for the next loaded step with the same function
+    assert dma.count("kv_step_idx = next_loaded_step(params, ") == 1
+    assert "DMA<Kernel_traits>::Device::next_loaded_step(params, map_row, partner_map_row, step," in compute
     assert "#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK) COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)" \
         in compute
 
@@ -386,25 +388,25 @@ def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case):
 # ---------------------------------------------------------------- CPU: the static report's SASS figures
 
 SASS = """
-        /*0000*/                   LDG.E.CONSTANT R4, desc[UR36][R4.64] ;
-        /*0010*/              @!P0 BRA 0x0070 ;
-        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR46+0x34020], R4 ;
-        /*0030*/                   UTMALDG.3D [UR24], [UR16] ;
-        /*0040*/                   UTMALDG.3D [UR16], [UR24] ;
-        /*0050*/                   LDL R2, [R1+0x8] ;
-        /*0070*/                   IADD3 R1, R1, 0x1, RZ ;
-        /*0080*/              @P1 BRA 0x0000 ;
+        /*0000*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0010*/                   LDG.E.CONSTANT R4, desc[UR36][R4.64] ;
+        /*0020*/              @!P0 BRA 0x0010 ;
+        /*0030*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR46+0x34020], R4 ;
+        /*0040*/                   UTMALDG.3D [UR24], [UR16] ;
+        /*0050*/                   UTMALDG.3D [UR16], [UR24] ;
+        /*0060*/                   LDL R2, [R1+0x8] ;
+        /*0070*/              @P1 BRA 0x0000 ;
 """
 
 
-def test_the_static_report_finds_a_dma_loop_that_leaves_its_loads_out():
+def test_the_static_report_finds_the_dma_loops_map_scan():
     from helpers import load_script
 
     static = load_script("benchmarks/sage_kernel_static.py")
     figures = static.loop_report(SASS)
-    assert figures["dma_ldg"] == 1 and figures["dma_tma"] == 2 and figures["dma_skips_tma"]
-    # a branch behind the buffer wait (an elected thread's) is no skipped step
-    behind = SASS.replace("@!P0 BRA 0x0070 ;", "NOP ;").replace("LDL R2, [R1+0x8] ;", "@!P0 BRA 0x0070 ;")
-    assert not static.loop_report(behind)["dma_skips_tma"]
+    assert figures["dma_ldg"] == 1 and figures["dma_tma"] == 2 and figures["dma_scan"]
+    # an inner loop that loads through TMA, or one without global loads, is no scan
+    assert not static.loop_report(SASS.replace("@!P0 BRA 0x0010", "@!P0 BRA 0x0040"))["dma_scan"]
+    assert not static.loop_report(SASS.replace("LDG.E.CONSTANT R4, desc[UR36][R4.64]", "NOP"))["dma_scan"]
     assert static.same_code(SASS, SASS.replace("0x0070", "0x0080").replace("/*0010*/", "/*0020*/"))
     assert not static.same_code(SASS, SASS.replace("R2, [R1+0x8]", "R3, [R1+0x8]"))

@@ -73,7 +73,7 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
     patches = fmha_v2_sage.header_patch_files()
-    assert sum(len(fmha_v2_sage.read_patch(patch)) for patch in patches) == 46
+    assert sum(len(fmha_v2_sage.read_patch(patch)) for patch in patches) == 40
     # each hunk's text is in the headers once its patch is applied (a later patch may rewrite it: the tile-map
     # patch rewrites lines of the skip patches), and the build reads the headers with every patch applied
     for applied in range(1, len(patches) + 1):
@@ -101,10 +101,10 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     assert compute.count("mutex_accessor.arrive();") == 2  # WG1's bootstrap and the end of the last turn
     # skip counts: every KV step of a warpgroup adds its tiles; one add per warpgroup at its end, none without
     # the caller's pointer, and the build defines the flag that gives the params struct that pointer
-    # (the tiles the test skipped: a tile-map kernel's reused ones are not, tests/test_fmha_v2_reuse.py)
+    # (the tiles the test skipped: a tile-map kernel's reused ones take an empty turn, counting nothing)
     assert ("  count_skipped_tiles(&shared->skipped_tiles[warpgroup_id], tidx, valid_run,                    \\\n"
-            "                      (softmax.skipped_step_ | softmax.skipped_half_) & ~reused,                 \\\n"
-            "                      actual_kv_seqlen - kv_step_idx * STEP_KV);") in compute
+            "                      softmax.skipped_step_ | softmax.skipped_half_, actual_kv_seqlen - kv_step_idx * STEP_KV);"
+            ) in compute
     assert "if (tidx == 0 && params.skip_softmax_skipped_blocks != nullptr) {" in compute
     assert "softmax.total_blocks" not in compute and epilogue.count("this->skipped_step_ = ") == 2
     flags = fmha_v2_sage.nvcc_flags(fmha_v2_sage.pathlib.Path("/generated"))
@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "c324ce54c013eabdd685384f1b361e4e0a378d95f33b6d2514a2303ae73c47dd"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "ac023faefb96a515c5f1bdc5b19bb67e8a32cf7e1d25cfa8f9647833edb5a15e"),
-    "0.7.4": "363041c2e96c1e9339555b25feb5cfdfa88fdeed44c0d8202efae665c629d556",
+                    "f6b1cdfcc6db2532c47139f108de7b86f5e5d150e758160bf69f14e4ea7f2745"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "7bce163b688c5d5de3389a4a494cd1058f6103cc5c2b87057e93d83fb56b27d7"),
+    "0.7.4": "541a5d421a4f2309ec2670ea6a0f51dc2c3d8e9c74a1bc0e6390efafb81d70f7",
 }
 
 

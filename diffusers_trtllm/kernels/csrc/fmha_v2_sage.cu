@@ -86,8 +86,7 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
           << "tile maps must be contiguous int32 [batch, heads_q, <= ceil(max_seqlen / 64), " << words << "]";
       TVM_FFI_ICHECK(map->shape()[2] == tile_map.shape()[2]) << "tile_map_entry and tile_map differ in shape";
     }
-    TVM_FFI_ICHECK(q_block == 64 && (kv_step == 256 || kv_step == 128))
-        << "tile maps need 64-query steps of 256 or 128 keys";
+    TVM_FFI_ICHECK(q_block == 64 && kv_step == 128) << "tile maps need 64-query steps of 128 keys (one tile)";
   }
   TVM_FFI_ICHECK(v_scale.ndim() == 3 && v_scale.shape()[0] == batch && v_scale.shape()[1] == heads_q &&
                  v_scale.shape()[2] == head_dim && v_scale.IsContiguous())

@@ -1,0 +1,101 @@
+"""The FMHAv2 SAGE fp8 calls that Skip-Softmax reuse is measured against, one by one, for a profiler: at Wan 2.2's
+75,600 × 40 × 128 on skip_reuse.py's published-curve data (one sm_90 GPU).
+
+Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip),
+``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps), ``reuse``
+(from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV step computed,
+the rest walked past). Each call includes its quantization, timed alone as ``quantize``.
+
+Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
+the ratio to cuDNN and the TFLOP/s of the tiles computed. ``--kv-buffers N`` builds and runs a module whose 128-key
+kernels keep N K/V buffers in flight instead of ``fmha_v2_sage.KV_BUFFERS``' choice (an experiment: the module is
+built on first use). With ``--once`` it calls each case once, untimed, for Nsight Compute:
+
+    ncu --clock-control none -k regex:fmha_v2 --section SpeedOfLight ... python benchmarks/reuse_profile.py --once
+"""
+
+import argparse
+import math
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import skip_reuse  # noqa: E402  (the data model and the timer)
+
+CASES = ("dense256", "dense128", "fresh", "reuse", "walk")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sparsity", type=float, default=0.65, help="target sparsity s (factor a·exp(b·s))")
+    parser.add_argument("--iters", type=int, default=3, help="timed calls per case")
+    parser.add_argument("--once", action="store_true", help="one untimed call per case (for a profiler)")
+    parser.add_argument("--kv-buffers", type=int, choices=(2, 3, 4), help="K/V buffers of the 128-key kernels")
+    args = parser.parse_args(argv)
+    if not 0.0 < args.sparsity < 1.0 or args.iters < 1:
+        parser.error(f"--sparsity must lie in (0, 1) and --iters be >= 1; got {args.sparsity}, {args.iters}")
+    import torch
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from diffusers_trtllm.backends.base import pack_tile_map
+    from diffusers_trtllm.kernels import fmha_v2_sage
+
+    if args.kv_buffers:
+        fmha_v2_sage.KV_BUFFERS[128] = args.kv_buffers
+    seq, heads, d = 75_600, 40, skip_reuse.HEAD_DIM
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = skip_reuse.data(seq, heads, skip_reuse.draw_offsets(seq, heads, gen), gen)
+    cu = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
+    factor = skip_reuse.A * math.exp(skip_reuse.B * args.sparsity)
+    shape = fmha_v2_sage.tile_map_shape((seq,), (seq,), heads)
+    kv_tiles = -(-seq // 128)
+    every_tile = pack_tile_map(torch.ones(shape[:3] + (kv_tiles,), dtype=torch.bool, device="cuda"), shape[-1])
+    tile_map, counts = torch.zeros(shape, dtype=torch.int32, device="cuda"), torch.zeros(2, dtype=torch.int32,
+                                                                                         device="cuda")
+
+    def dense(kv_step):
+        return lambda: fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
+                                                           kv_step=kv_step)
+
+    def mapped(entry):
+        def call():
+            tile_map.copy_(entry)
+            counts.zero_()
+            fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
+                                                kv_step=fmha_v2_sage.REUSE_KV_STEP, skip_factor=factor,
+                                                skip_counts=counts, tile_map=tile_map)
+        return call
+
+    mapped(torch.zeros_like(tile_map))()
+    fresh_map = tile_map.clone()
+    calls = {"dense256": dense(256), "dense128": dense(128), "fresh": mapped(torch.zeros_like(tile_map)),
+             "reuse": mapped(fresh_map), "walk": mapped(every_tile)}
+    total = heads * -(-seq // 64) * kv_tiles
+    gemm_flops = 2 * 64 * 128 * d
+    quantize_ms = skip_reuse.timed(lambda: fmha_v2_sage.sage_quantize_packed(q, k, v, cu, seq, 0), args.iters)
+    cudnn_ms = None
+    if not args.once:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            bhsd = [x.transpose(0, 1)[None] for x in (q, k, v)]
+            cudnn_ms = skip_reuse.timed(
+                lambda: torch.nn.functional.scaled_dot_product_attention(*bhsd, scale=d ** -0.5), args.iters)
+    print(f"reuse_profile: s = {args.sparsity}, {total} tiles, 128-key kernels with "
+          f"{fmha_v2_sage.KV_BUFFERS[128]} K/V buffers; quantize {quantize_ms:.2f} ms, cuDNN {cudnn_ms} ms")
+    for name, call in calls.items():
+        if args.once:
+            call()
+            torch.cuda.synchronize()
+            print(f"{name}: called", flush=True)
+            continue
+        ms = skip_reuse.timed(call, args.iters)
+        test, reused = (int(x) for x in counts) if name not in ("dense256", "dense128") else (0, 0)
+        gemm_tiles = 2 * total - 2 * reused - test
+        print(f"{name}: {ms:.2f} ms ({cudnn_ms / ms:.2f}x cuDNN; kernel {ms - quantize_ms:.2f}), skipped by test {test / total:.3f}, by reuse "
+              f"{reused / total:.3f}, {gemm_tiles * gemm_flops / (ms - quantize_ms) / 1e9:.0f} TFLOP/s computed "
+              "(kernel time)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
