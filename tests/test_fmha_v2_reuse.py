@@ -46,9 +46,10 @@ def test_one_tile_map_kernel_with_its_own_names_and_flag():
     # keeping FlashInfer's step by the preprocessor
     assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
     dma, compute = sources["fmha/warpspec/dma.h"], sources["fmha/warpspec/compute.h"]
-    # the DMA warp and the compute warpgroups scan for the next loaded step with the same function
-    assert dma.count("kv_step_idx = next_loaded_step(params, ") == 1
-    assert "DMA<Kernel_traits>::Device::next_loaded_step(params, map_row, partner_map_row, step," in compute
+    # the DMA warp and the compute warpgroups walk to the next loaded step with the same cursor
+    assert dma.count("kv_step_idx = map_cursor.next_loaded(params, kv_step_idx, kv_idx_start, kv_idx_end);") == 1
+    assert "typename DMA<Kernel_traits>::Device::Tile_map_cursor map_cursor(" in compute
+    assert "map_cursor.next_loaded(params, step, kv_idx_start, end)" in compute
     assert "#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK) COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)" \
         in compute
 

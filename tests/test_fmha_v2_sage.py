@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "f6b1cdfcc6db2532c47139f108de7b86f5e5d150e758160bf69f14e4ea7f2745"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "7bce163b688c5d5de3389a4a494cd1058f6103cc5c2b87057e93d83fb56b27d7"),
-    "0.7.4": "541a5d421a4f2309ec2670ea6a0f51dc2c3d8e9c74a1bc0e6390efafb81d70f7",
+                    "afebc3703e20bed0e43c6d7d769e7fb0c075629ed0850964005ebad530835d78"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "ee4aa20a8b72bda963f40e063af2095ba09bbd8df418e95e6324590f1161765e"),
+    "0.7.4": "7f3dbc05ecb429b584fca7e22b3d9e8646d39d65651aa6d2a88fb64b66baa5e4",
 }
 
 
