@@ -36,6 +36,8 @@ def main(argv=None) -> None:
         parser.error(f"--sparsity must lie in (0, 1) and --iters be >= 1; got {args.sparsity}, {args.iters}")
     import torch
 
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        sys.exit("reuse_profile: needs an sm_90 GPU (H100/H200)")
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     from diffusers_trtllm.backends.base import pack_tile_map
     from diffusers_trtllm.kernels import fmha_v2_sage

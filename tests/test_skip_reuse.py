@@ -397,6 +397,15 @@ def test_the_benchmark_checks_its_arguments_without_a_gpu():
     assert abs(bench.zero_fraction(75_600) - 0.25) < 0.01  # DESIGN.md §7: a quarter of the tiles at 0
 
 
+def test_the_profiling_script_refuses_bad_arguments_and_a_machine_without_hopper():
+    script = "benchmarks/reuse_profile.py"
+    bad = subprocess.run([sys.executable, script, "--sparsity", "1.5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--sparsity must lie in (0, 1)" in bad.stderr.splitlines()[-1]
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, script, "--once"], capture_output=True, text=True)
+        assert proc.returncode == 1 and proc.stderr.strip() == "reuse_profile: needs an sm_90 GPU (H100/H200)"
+
+
 def test_the_drift_model_moves_as_many_decisions_each_way_among_the_movable_tiles():
     from diffusers_trtllm.backends.base import pack_tile_map, unpack_tile_map
 
