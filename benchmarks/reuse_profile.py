@@ -4,7 +4,8 @@
 Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip),
 ``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps), ``reuse``
 (from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV step computed,
-the rest walked past). Each call includes its quantization, timed alone as ``quantize``.
+the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without Skip-Softmax's
+test, which computes every tile the map does not hold). Each call includes its quantization, timed alone as ``quantize``.
 
 Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
 the ratio to cuDNN and the TFLOP/s of the tiles computed. ``--kv-buffers N`` builds and runs a module whose 128-key
@@ -22,7 +23,6 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import skip_reuse  # noqa: E402  (the data model and the timer)
 
-CASES = ("dense256", "dense128", "fresh", "reuse", "walk")
 
 
 def main(argv=None) -> None:
@@ -59,19 +59,19 @@ def main(argv=None) -> None:
         return lambda: fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
                                                            kv_step=kv_step)
 
-    def mapped(entry):
+    def mapped(entry, test=True):
         def call():
             tile_map.copy_(entry)
             counts.zero_()
             fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
-                                                kv_step=fmha_v2_sage.REUSE_KV_STEP, skip_factor=factor,
+                                                kv_step=fmha_v2_sage.REUSE_KV_STEP, skip_factor=factor if test else 0.0,
                                                 skip_counts=counts, tile_map=tile_map)
         return call
 
     mapped(torch.zeros_like(tile_map))()
     fresh_map = tile_map.clone()
     calls = {"dense256": dense(256), "dense128": dense(128), "fresh": mapped(torch.zeros_like(tile_map)),
-             "reuse": mapped(fresh_map), "walk": mapped(every_tile)}
+             "reuse": mapped(fresh_map), "walk": mapped(every_tile), "reuse untested": mapped(fresh_map, test=False)}
     total = heads * -(-seq // 64) * kv_tiles
     gemm_flops = 2 * 64 * 128 * d
     quantize_ms = skip_reuse.timed(lambda: fmha_v2_sage.sage_quantize_packed(q, k, v, cu, seq, 0), args.iters)

@@ -29,19 +29,27 @@ FP8 = AttnQuantSpec("fp8_e4m3")
 # ---------------------------------------------------------------- CPU: build, refusals, plumbing
 
 
-def test_one_tile_map_kernel_with_its_own_names_and_flag():
+def test_two_tile_map_kernels_with_their_own_names_and_flag():
+    """With Skip-Softmax's test, and without it for a map at factor 0 (the binding picks it: its test would skip
+    nothing)."""
     reuse = [k for k in fmha_v2_sage.sage_kernels() if k.reuse]
-    assert reuse == [fmha_v2_sage.SageKernel(0, 128, True, reuse=True)]
+    assert reuse == [fmha_v2_sage.SageKernel(0, 128, True, reuse=True), fmha_v2_sage.SageKernel(0, 128, False,
+                                                                                              reuse=True)]
     sources = fmha_v2_sage.kernel_sources()
     for kernel in reuse:
-        plain = fmha_v2_sage.kernel_names(fmha_v2_sage.SageKernel(0, kernel.kv_step, True))
+        plain = fmha_v2_sage.kernel_names(fmha_v2_sage.SageKernel(0, kernel.kv_step, kernel.skip_softmax))
         names = fmha_v2_sage.kernel_names(kernel)
-        assert all("skipSoftmax_tileMap" in name for name in names) and set(names).isdisjoint(plain)
+        mark = "skipSoftmax_tileMap_sage" if kernel.skip_softmax else "_tileMap_sage"
+        assert all(mark in name and ("skipSoftmax" in name) == kernel.skip_softmax for name in names)
+        assert set(names).isdisjoint(plain)
         assert f"_64_{kernel.kv_step}_S_" in names[0]
         assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP 1")
-        assert (f"kv_step == {kernel.kv_step} && skip == true && lse == false && tile_map == true) {{\n    "
+        skip = str(kernel.skip_softmax).lower()
+        assert (f"kv_step == {kernel.kv_step} && skip == {skip} && lse == false && tile_map == true) {{\n    "
                 + names[1]) in sources["sage_kernels.h"]
-    assert sum("DIFFUSERS_TRTLLM_TILE_MAP 1" in code for name, code in sources.items() if name.endswith(".cu")) == 1
+    assert sum("DIFFUSERS_TRTLLM_TILE_MAP 1" in code for name, code in sources.items() if name.endswith(".cu")) == 2
+    binding = fmha_v2_sage.BINDING_SOURCE.read_text()
+    assert "launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0;" in binding
     # the headers: the map's pointers beside the skip statistics, the DMA's predicate, the kernels without a map
     # keeping FlashInfer's step by the preprocessor
     assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
@@ -318,6 +326,32 @@ def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
     assert int(kernel.reused_tiles) == int(ref.reused_tiles) == int(bits_set(entry).sum()) > 0
     assert torch.equal(kernel.tile_map, entry) and torch.equal(ref.tile_map, entry)
     assert torch.isfinite(kernel.out).all() and _rel(kernel.out, ref.out) < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_a_map_at_factor_0_skips_its_tiles_without_the_test():
+    """Factor 0 runs the tile-map kernel without Skip-Softmax's test: it skips the map's tiles as the kernel with
+    the test does at a threshold that skips nothing, leaves the map as it was and counts what it reused."""
+    _hopper()
+    qkv = peaky_qkv((1100, 300, 4500), (1100, 300, 4500), 8, 2, seed=8)
+    shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 8)
+    entry = _map_of(torch.rand(shape[:3] + (_kv_tiles(qkv),), generator=torch.Generator().manual_seed(9)) < 0.5,
+                    qkv)
+
+    def call(factor):
+        tile_map, counts = entry.clone(), torch.zeros(2, dtype=torch.int32, device=qkv.q.device)
+        out = fmha_v2_sage.fmha_v2_sage_attention(
+            qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), qkv.seqlens_kv, SCALE, cu_seqlens_q=qkv.cu_seqlens("q"),
+            seqlens_q=qkv.seqlens_q, k_block=0, kv_step=fmha_v2_sage.REUSE_KV_STEP, skip_factor=factor,
+            skip_counts=counts, tile_map=tile_map)
+        return out, tile_map, counts.tolist()
+
+    (untested, untested_map, untested_counts), (tested, tested_map, tested_counts) = call(0.0), call(1e-6)
+    assert torch.equal(untested_map, entry) and torch.equal(tested_map, entry)
+    assert untested_counts == tested_counts == [0, int(bits_set(entry).sum())]
+    assert torch.isfinite(untested).all() and _rel(untested, tested) < 1e-3
+    ref = run_backend("TORCH_REFERENCE", qkv, _plan(1e-6, entry.clone()))
+    assert _rel(untested, ref.out) < 5e-3
 
 
 def _drifted(tile_map, qkv, share, first_step, seed):

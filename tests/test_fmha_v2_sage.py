@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "afebc3703e20bed0e43c6d7d769e7fb0c075629ed0850964005ebad530835d78"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "ee4aa20a8b72bda963f40e063af2095ba09bbd8df418e95e6324590f1161765e"),
-    "0.7.4": "7f3dbc05ecb429b584fca7e22b3d9e8646d39d65651aa6d2a88fb64b66baa5e4",
+                    "5ccbd962e9540a31fe19a0cbee4d098b5328243177220afafa20c27c130a8171"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "ac15a6256d650a1f4cc271675c7d722d7f489a61b228d568d995fa185c8768fe"),
+    "0.7.4": "4c3585866ad004fd454b7617ca9716805349705a78b4819b51ffe5e2b6ae296e",
 }
 
 

@@ -93,11 +93,12 @@ def sage_kernels() -> tuple[SageKernel, ...]:
     """Every kernel the module builds: each compiled K block and KV step, with and without Skip-Softmax (K block
     128 at KV step 256 only: it exists for the block-size sweep), at :data:`LSE_KV_STEP` each of those again
     writing the softmax statistics (a separate kernel: the others stay as they were), and the Skip-Softmax
-    kernel at :data:`REUSE_K_BLOCK` and :data:`REUSE_KV_STEP` again reusing a tile map."""
+    kernel at :data:`REUSE_K_BLOCK` and :data:`REUSE_KV_STEP` again reusing a tile map, with and without the test
+    (a map at ``skip_factor`` 0 skips its tiles and tests nothing)."""
     plain = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
                   for skip in (False, True) if not (k_block == 128 and kv_step != 256))
     return (plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
-            + (SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, True, reuse=True),))
+            + tuple(SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, skip, reuse=True) for skip in (True, False)))
 
 
 SKIP_TILE = (Q_BLOCK, 128)  # (query rows, keys) per skip decision: one warpgroup's rows, half a 256-key step
@@ -207,20 +208,23 @@ def patched_headers(patch_files: tuple[pathlib.Path, ...] | None = None) -> dict
 
 
 # A tile-map kernel's names (file, launcher, kernel): FlashInfer's for its spec with this after "skipSoftmax"
+# (the kernel with the test) or before "sage" (the one without)
 TILE_MAP_NAME = "_tileMap"
 
 
 def kernel_names(kernel: SageKernel) -> tuple[str, str, str]:
     """(source file, launcher, kernel) names of ``kernel``: FlashInfer's for its spec, :data:`TILE_MAP_NAME`
-    added to a tile-map kernel's (its spec is the plain Skip-Softmax kernel's)."""
+    added to a tile-map kernel's (its spec is the plain kernel's, with or without Skip-Softmax)."""
     from flashinfer.jit.attention.fmha_v2.utils import encode_name
 
     names = encode_name(kernel_spec(kernel))
     if not kernel.reuse:
         return names
-    if any(name.count("skipSoftmax") != 1 for name in names):
-        raise RuntimeError(f"FlashInfer's FMHAv2 kernel names changed: expected 'skipSoftmax' once in {names}")
-    return tuple(name.replace("skipSoftmax", "skipSoftmax" + TILE_MAP_NAME) for name in names)
+    mark, marked = ("skipSoftmax", "skipSoftmax" + TILE_MAP_NAME) if kernel.skip_softmax else (
+        "_sage_", TILE_MAP_NAME + "_sage_")
+    if any(name.count(mark) != 1 for name in names):
+        raise RuntimeError(f"FlashInfer's FMHAv2 kernel names changed: expected {mark!r} once in {names}")
+    return tuple(name.replace(mark, marked) for name in names)
 
 
 def kernel_sources() -> dict[str, str]:

@@ -153,8 +153,8 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   launch.attention_input_layout = fmha::Attention_input_layout::PACKED_QKV;
   launch.total_q_seqlen = static_cast<int>(total_tokens);
   launch.total_kv_seqlen = static_cast<int>(batch * max_seqlen);
-  // a tile map runs the Skip-Softmax kernel, whose test skips nothing at factor 0
-  launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0 || reuse;
+  // a tile map at factor 0 runs the tile-map kernel without the test (it would skip nothing)
+  launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0;
   FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.multi_processor_count, cudaDevAttrMultiProcessorCount, device));
   FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.device_l2_cache_size, cudaDevAttrL2CacheSize, device));
 
