@@ -114,13 +114,16 @@ class SkipSoftmaxSpec:
     ``reuse_steps`` steps of the same pipeline call skip those tiles without loading or multiplying them, test the
     others and add what they skip. Then, or when the timestep gate, the SAGE schedule or the accuracy guard
     changes what the site runs, every tile is tested again. Maps belong to the pipeline call and are freed when
-    it ends.
+    it ends. ``reuse_test`` False: the reusing steps test nothing (they skip the map's tiles and compute all the
+    others, and the map stays as the step that made it left it): no test's cost on those steps, and the sparsity
+    of the curve without reuse.
     """
 
     target_sparsity: float | None = None
     threshold: float | None = None
     disabled_until_timestep: float = 0.0
     reuse_steps: int = 0
+    reuse_test: bool = True
 
     def __post_init__(self):
         if self.target_sparsity is not None:
@@ -142,6 +145,9 @@ class SkipSoftmaxSpec:
         if self.reuse_steps and not self.skips:
             raise invalid("skip_softmax.reuse_steps", self.reuse_steps,
                           "0 unless skip_softmax.target_sparsity or threshold is set (it reuses what they skip)")
+        if type(self.reuse_test) is not bool:
+            raise invalid("skip_softmax.reuse_test", self.reuse_test,
+                          "true (reusing steps test the tiles their map does not hold) or false (they test nothing)")
 
     @property
     def skips(self) -> bool:

@@ -36,7 +36,7 @@ from .backends import masked_dense_attention, planned_route, run_backend, select
 from .backends.base import KernelPlan, VarlenQKV, backend_for_route
 from .config import AttnQuantSpec
 from .errors import BackendUnavailableError, warn_once
-from .run_state import OWNER, REUSE_FRESH, SETTINGS, SITE, open_run
+from .run_state import OWNER, REUSE_FRESH, REUSE_KEEP, SETTINGS, SITE, open_run
 
 
 def encode_quant(quant: AttnQuantSpec | None) -> str:
@@ -85,6 +85,8 @@ def _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per
     if not planned:
         backend = unplanned_backend(backend, qkv, causal, value, quant)
     factor = value * qkv.max_seqlen_kv if per_kv_len else value
+    if reuse and reuse_mode == REUSE_KEEP and not run.calls[site].reuse_tests:
+        factor = 0.0  # the map's tiles are skipped, the others computed untested (the kernels' own rule at 0)
     counting = run is not None and run.counting
     if return_lse and (reason := backend_for_route(backend).lse_reason()):
         raise BackendUnavailableError(reason)

@@ -173,6 +173,11 @@ class AttentionCall:
         """Steps a Skip-Softmax tile map is reused after the step that made it (0: no reuse)."""
         return self.skip.reuse_steps if self.skip is not None else 0
 
+    @property
+    def reuse_tests(self) -> bool:
+        """Whether a step reusing a tile map tests the tiles the map does not hold (``skip_softmax.reuse_test``)."""
+        return self.skip is None or self.skip.reuse_test
+
     def plan_row(self, timestep: float | None, step: int, dropped: set = frozenset()) -> tuple[list[float], bool]:
         """The settings row for step ``step`` at normalized ``timestep`` (skip value and SAGE as the gates and the
         guard's ``dropped`` allow, probe rows at probed steps, tile maps kept where skipping reuses them: made
@@ -315,12 +320,14 @@ class CallPlanner:
                 f"{site.component!r} has no Skip-Softmax calibration: load a calibrated checkpoint (its config.json "
                 "carries 'sparse_attention_config'), run diffusers_trtllm.calibrate(pipe, prompts, ...), pass "
                 "calibrations={...}, or set skip_softmax.threshold (λ) instead")
-        if (calibration.reuse_steps or 0) != skip.reuse_steps:
+        # reusing steps that test nothing skip what the step that made the map skipped: the curve without reuse
+        curve_reuse = skip.reuse_steps if skip.reuse_test else 0
+        if (calibration.reuse_steps or 0) != curve_reuse:
             self.warn_once(f"reuse-{site.component}", (
-                f"skip_softmax.reuse_steps={skip.reuse_steps} but {site.component!r}'s Skip-Softmax curve was "
-                f"calibrated with reuse_steps={calibration.reuse_steps or 0}: target_sparsity "
-                f"{skip.target_sparsity} lands off that curve; calibrate with the reuse_steps you run "
-                "(calibrate(..., reuse_steps=...))"))
+                f"skip_softmax.reuse_steps={skip.reuse_steps} (reuse_test={skip.reuse_test}) but "
+                f"{site.component!r}'s Skip-Softmax curve was calibrated with reuse_steps="
+                f"{calibration.reuse_steps or 0}: target_sparsity {skip.target_sparsity} lands off that curve; "
+                f"calibrate with reuse_steps={curve_reuse} (calibrate(..., reuse_steps=...))"))
         observed = calibration.sparsity_range
         if observed is not None and not observed[0] <= skip.target_sparsity <= observed[1]:
             self.warn_once(f"extrapolate-{site.component}", (

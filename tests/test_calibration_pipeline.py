@@ -219,14 +219,15 @@ def test_a_curve_run_with_another_reuse_steps_than_calibrated_warns():
     result = calibrate(pipe, PROMPTS[0], lambdas=(1e-3, 1e-2, 1e-1), reuse_steps=2, fit_range=(0.0, 1.0),
                        progress=False, **SHAPE)
     calibrations = {c: fit.calibration for c, fit in result.fits.items()}
-    for reuse_steps, warned in ((0, True), (2, False)):
-        config = {"default": {"backend": "TORCH_REFERENCE",
-                              "skip_softmax": {"target_sparsity": 0.3, "reuse_steps": reuse_steps}}}
+    # reusing steps that test nothing follow the curve without reuse
+    for reuse_steps, reuse_test, warned in ((0, True, True), (2, True, False), (2, False, True)):
+        config = {"default": {"backend": "TORCH_REFERENCE", "skip_softmax": {
+            "target_sparsity": 0.3, "reuse_steps": reuse_steps, "reuse_test": reuse_test}}}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             enable_trtllm_attention(pipe, config, calibrations=calibrations).restore()
         messages = [str(w.message) for w in caught if "calibrated with reuse_steps=2" in str(w.message)]
-        assert bool(messages) == warned, (reuse_steps, messages)
+        assert bool(messages) == warned, (reuse_steps, reuse_test, messages)
 
 
 def test_reuse_steps_is_checked_before_any_work():

@@ -233,6 +233,38 @@ def test_maps_are_reused_for_reuse_steps_each_pass_its_own_then_tested_afresh(pi
     assert 0 < summary["reused"] < summary["sparsity"]
 
 
+def test_reusing_steps_that_test_nothing_skip_the_makers_tiles_and_leave_the_map(pipe, spy):
+    """``reuse_test: false``: a reusing step runs at factor 0 on its map (no test), so the map stays as the step
+    that made it left it, where a testing reuse step adds the tiles its test skips; the making steps test."""
+    runs = {}
+    for reuse_test in (False, True):
+        spy.clear()
+        with enable_trtllm_attention(pipe, reuse_config(reuse_steps=2, threshold=0.9, reuse_test=reuse_test)) as h:
+            generate(pipe)
+            modes = h.stats.modes()
+        assert [step for step, m in modes.items() if any(mode.endswith("skip+reuse") for mode in m)] == [1, 2, 4, 5]
+        per_step = len(spy) // STEPS
+        runs[reuse_test] = [spy[s * per_step:(s + 1) * per_step] for s in range(STEPS)]
+    steps = runs[False]
+    for step in range(STEPS):
+        reusing = step not in (0, 3)
+        assert all(plan.reuse and (plan.skip_factor == 0.0) == reusing for plan, _, _ in steps[step])
+        if reusing:
+            maker = steps[0 if step < 3 else 3]
+            assert all(torch.equal(left[1], made[1]) and torch.equal(given[1], made[1])
+                       for (_, given, left), (_, _, made) in zip(steps[step], maker))
+    assert any(given[1].any() for s in (1, 2, 4, 5) for _, given, _ in steps[s])  # there was something to reuse
+    grew = [not torch.equal(left[1], given[1]) for s in (1, 2, 4, 5) for _, given, left in runs[True][s]]
+    assert any(grew)  # where reuse steps test, their maps grow
+
+
+@pytest.mark.parametrize("value", [1, "false", None])
+def test_reuse_test_must_be_a_bool(value):
+    with pytest.raises(AttentionConfigError, match=r"skip_softmax.reuse_test=.* is invalid: expected true .* or "
+                                                   r"false \(they test nothing\)"):
+        AttentionConfig.from_dict(reuse_config(reuse_test=value))
+
+
 def test_reuse_off_hands_no_plan_a_map_and_gives_todays_output(pipe, spy):
     config = reuse_config(reuse_steps=0)
     with enable_trtllm_attention(pipe, config):
