@@ -17,6 +17,9 @@ is cleared and as many unset bits are set (decisions that moved between denoisin
 previous step left. Each timed call starts from its step's map (a copy: the kernel updates it in place).
 "sage+reuse of every tile" runs from a map holding every tile: the kernel computes each query tile's first KV
 step only and walks past the rest, so its time less the quantization is what walking the map costs.
+"sage+reuse untested" runs from the same map as "sage+reuse" at factor 0, as a reusing step with
+``skip_softmax.reuse_test: false`` does: the map's tiles skipped, the others computed with no test (FMHAv2: the
+tile-map kernel without Skip-Softmax's test).
 
 Prints a markdown table (with each kernel's quantization time alone, part of its rows' times), each row as its
 case finishes (a line names each case as it starts, so a stalled kernel shows where): ms, speedup vs cuDNN, tiles
@@ -35,7 +38,8 @@ import sys
 
 A, B = 2822.62, 4.388  # NVIDIA's Wan 2.2 fit: factor = a · exp(b · s)
 HEAD_DIM = 128
-CASES = ("cudnn", "sage", "sage+reuse of every tile", "sage+skip", "sage+reuse", "sage+reuse drift")
+CASES = ("cudnn", "sage", "sage+reuse of every tile", "sage+skip", "sage+reuse", "sage+reuse untested",
+         "sage+reuse drift")
 KERNELS = ("fmha_v2", "triton")  # the SAGE fp8 kernels with tile maps, each timed with its own quantization
 
 
@@ -164,19 +168,21 @@ def main(argv=None) -> None:
               f"{tflops:.0f} |", flush=True)
 
     def attend(kernel, factor=0.0, tile_map=None):
-        """One call of ``kernel`` (quantization included); returns device counts (tested, reused) or None."""
+        """One call of ``kernel`` (quantization included); returns device counts (tested, reused) where it skips
+        or reuses, else None."""
+        counting = bool(factor) or tile_map is not None
         if kernel == "fmha_v2":
             counts = torch.zeros(2 if tile_map is not None else 1, dtype=torch.int32, device="cuda")
             kv_step = FMHA_V2_KV_STEP if tile_map is None else fmha_v2_sage.REUSE_KV_STEP  # as the route runs them
             fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), scale, k_block=0, kv_step=kv_step,
-                                                skip_factor=factor, skip_counts=counts if factor else None,
+                                                skip_factor=factor, skip_counts=counts if counting else None,
                                                 tile_map=tile_map)
-            return counts if factor else None
+            return counts if counting else None
         reused = torch.zeros((), dtype=torch.int32, device="cuda")
         _, tested, _ = triton_sage.triton_sage_attention(
             q, k, v, cu, cu, (seq,), (seq,), scale, dtype_qk="fp8_e4m3", skip_factor=factor, skip_tile=(64, 128),
-            count_skips=bool(factor), tile_map=tile_map, reused=reused if tile_map is not None else None)
-        return torch.stack([tested.to(torch.int32), reused]) if factor else None
+            count_skips=counting, tile_map=tile_map, reused=reused if tile_map is not None else None)
+        return torch.stack([tested.to(torch.int32), reused]) if counting else None
 
     def quantize(kernel):
         """One quantization of Q, K and V as ``kernel``'s call makes it (part of every SAGE row's time)."""
@@ -227,6 +233,9 @@ def main(argv=None) -> None:
             starting(f"{kernel} sage+reuse", s)
             ms, test, reused, entries[kernel, s] = reuse(kernel, factor, entry)
             row(f"{kernel} sage+reuse", s, ms, test, reused, 2 * total - 2 * reused - test)
+            starting(f"{kernel} sage+reuse untested", s)
+            ms, test, reused, _ = reuse(kernel, 0.0, entry)
+            row(f"{kernel} sage+reuse untested", s, ms, test, reused, 2 * total - 2 * reused - test)
     # the drift rows last: a kernel stalling on a drifted map (as a 256-key FMHAv2 one did: RESULTS.md) shows there
     for (kernel, s), entry in entries.items():
         factor, drifted = A * math.exp(B * s), []

@@ -62,7 +62,8 @@ NO_ATTENTION_LABEL = "attention removed"
 DIFFUSERS_LABEL = "diffusers default processors"
 DIFFUSERS_EAGER_LABEL = "diffusers default processors, eager"
 DEFAULT_LAMBDAS = (0.066, 0.5)  # factor 5,000 at 75,600 keys (DESIGN.md's Hopper probe), and a large one
-GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "sage_reuse", "none", "diffusers", "diffusers_eager")
+GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "sage_reuse", "sage_reuse_untested", "none",
+          "diffusers", "diffusers_eager")
 SAGE_DTYPES = ("int8", "fp8_e4m3")
 REUSE_STEPS = 1_000  # the sage_reuse row: tile maps reused by every call after the one that made them
 DEFAULT_GROUPS = ("sdpa", "cudnn", "dense", "skip", "sage", "sage_skip", "none")
@@ -130,10 +131,13 @@ def bench_configs(entry: ModelEntry, groups, lambdas, feature_backend: str, on_c
         configs.append(BenchConfig(f"{feature_backend} SAGE fp8_e4m3 + skip λ={lambdas[-1]:g}",
                                    trt(skip={"threshold": lambdas[-1]}, quant=AttnQuantSpec(dtype_qk="fp8_e4m3")),
                                    skips=True))
-    if "sage_reuse" in groups:  # every timed call a reusing step: the calls are successive steps of one run
-        configs.append(BenchConfig(f"{feature_backend} SAGE fp8_e4m3 + skip λ={lambdas[-1]:g} + reuse",
-                                   trt(skip={"threshold": lambdas[-1], "reuse_steps": REUSE_STEPS},
-                                       quant=AttnQuantSpec(dtype_qk="fp8_e4m3")), skips=True))
+    # every timed call a reusing step: the calls are successive steps of one run ("untested": reuse_test false)
+    for group, reuse_test, suffix in (("sage_reuse", True, ""), ("sage_reuse_untested", False, " untested")):
+        if group in groups:
+            configs.append(BenchConfig(
+                f"{feature_backend} SAGE fp8_e4m3 + skip λ={lambdas[-1]:g} + reuse{suffix}",
+                trt(skip={"threshold": lambdas[-1], "reuse_steps": REUSE_STEPS, "reuse_test": reuse_test},
+                    quant=AttnQuantSpec(dtype_qk="fp8_e4m3")), skips=True))
     if "none" in groups:
         configs.append(BenchConfig(NO_ATTENTION_LABEL, sdpa, no_attention))
     return configs

@@ -13,7 +13,8 @@ Nothing here looks at the GPU: whether a backend can run is decided when a plan 
 This package's extensions beyond vLLM-Omni's schema (its own parser refuses them as unknown keys): a spec's
 ``accuracy`` (:class:`AccuracySpec`: the accuracy probe and its guard), its ``dense_kernel`` (Hopper's dense
 kernel under ``TRTLLM_ATTN``) and the SAGE step schedule ``quant.disabled_until_timestep`` /
-``quant.disabled_below_timestep`` (:class:`AttnQuantSpec`).
+``quant.disabled_below_timestep`` (:class:`AttnQuantSpec`), and Skip-Softmax reuse ``skip_softmax.reuse_steps`` /
+``reuse_test`` (:class:`SkipSoftmaxSpec`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def test_dicts_and_specs_are_taken_alike_and_unknown_keys_name_the_valid_ones():
     assert AttnQuantSpec.from_dict({"dtype_qk": "int8", "k_block_size": 4}) == AttnQuantSpec("int8", None, 4)
     with pytest.raises(AttentionConfigError, match=re.escape(
             "skip_softmax: unknown key(s) ['treshold']; valid keys are "
-            "['disabled_until_timestep', 'reuse_steps', 'target_sparsity', 'threshold']")):
+            "['disabled_until_timestep', 'reuse_steps', 'reuse_test', 'target_sparsity', 'threshold']")):
         SkipSoftmaxSpec.from_dict({"treshold": 0.1})
     with pytest.raises(AttentionConfigError, match=re.escape(
             "quant: unknown key(s) ['dtype']; valid keys are ['disabled_below_timestep', 'disabled_until_timestep', "

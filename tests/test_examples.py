@@ -294,11 +294,13 @@ def test_transformer_step_reports_the_tiles_skipped_and_reused(tmp_path, monkeyp
 
     monkeypatch.setattr(benchmark, "build_transformer", positional)
     result = benchmark.main(["--tiny", "--models", "wan", "--frames", "33", "--configs", "sdpa", "skip", "sage_reuse",
-                             "--lambdas", "0.5", "--output", str(tmp_path / "step.json")])
-    sdpa, skip, reuse = result["results"][0]["rows"]
+                             "sage_reuse_untested", "--lambdas", "0.5", "--output", str(tmp_path / "step.json")])
+    sdpa, skip, reuse, untested = result["results"][0]["rows"]
     assert sdpa["sparsity"] is None and sdpa["reused"] is None
     assert 0.2 < skip["sparsity"] < 0.9 and not skip["reused"]
     assert 0.2 < reuse["reused"] <= reuse["sparsity"] < 0.9
+    # reusing calls that test nothing skip only what the first call's test skipped
+    assert untested["label"].endswith("+ reuse untested") and 0.2 < untested["reused"] == untested["sparsity"]
     assert f"| {skip['sparsity']:.3f} |" in result["markdown"]
     assert f"| {reuse['sparsity']:.3f} ({reuse['reused']:.3f}) |" in result["markdown"]
 

@@ -20,7 +20,7 @@ package's entry there. It wraps two vLLM-Omni methods, each only where ``TRTLLM_
   checkpoint's calibration itself when it installs, and refuses ``target_sparsity`` without one there.
 
 This package's extensions of the config (a spec's ``accuracy`` and ``dense_kernel``, the SAGE schedule
-``quant.disabled_until_timestep`` / ``disabled_below_timestep``, ``skip_softmax.reuse_steps``) do not reach it here: vLLM-Omni's own parser of
+``quant.disabled_until_timestep`` / ``disabled_below_timestep``, ``skip_softmax.reuse_steps`` / ``reuse_test``) do not reach it here: vLLM-Omni's own parser of
 ``diffusion_attention_config`` refuses them as unknown keys before any plugin runs; they work with
 ``enable_trtllm_attention`` and this package's ``config_from_args``.
 
