@@ -5,7 +5,8 @@ Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and
 ``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps), ``reuse``
 (from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV step computed,
 the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without Skip-Softmax's
-test, which computes every tile the map does not hold). Each call includes its quantization, timed alone as ``quantize``.
+test, which computes every tile the map does not hold). Each call includes its quantization, timed alone as
+``quantize``.
 
 Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
 the ratio to cuDNN and the TFLOP/s of the tiles computed. ``--kv-buffers N`` builds and runs a module whose 128-key
@@ -64,8 +65,9 @@ def main(argv=None) -> None:
             tile_map.copy_(entry)
             counts.zero_()
             fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
-                                                kv_step=fmha_v2_sage.REUSE_KV_STEP, skip_factor=factor if test else 0.0,
-                                                skip_counts=counts, tile_map=tile_map)
+                                                kv_step=fmha_v2_sage.REUSE_KV_STEP,
+                                                skip_factor=factor if test else 0.0, skip_counts=counts,
+                                                tile_map=tile_map)
         return call
 
     mapped(torch.zeros_like(tile_map))()
@@ -94,9 +96,9 @@ def main(argv=None) -> None:
         ms = skip_reuse.timed(call, args.iters)
         test, reused = (int(x) for x in counts) if name not in ("dense256", "dense128") else (0, 0)
         gemm_tiles = 2 * total - 2 * reused - test
-        print(f"{name}: {ms:.2f} ms ({cudnn_ms / ms:.2f}x cuDNN; kernel {ms - quantize_ms:.2f}), skipped by test {test / total:.3f}, by reuse "
-              f"{reused / total:.3f}, {gemm_tiles * gemm_flops / (ms - quantize_ms) / 1e9:.0f} TFLOP/s computed "
-              "(kernel time)", flush=True)
+        print(f"{name}: {ms:.2f} ms ({cudnn_ms / ms:.2f}x cuDNN; kernel {ms - quantize_ms:.2f}), skipped by test "
+              f"{test / total:.3f}, by reuse {reused / total:.3f}, "
+              f"{gemm_tiles * gemm_flops / (ms - quantize_ms) / 1e9:.0f} TFLOP/s computed (kernel time)", flush=True)
 
 
 if __name__ == "__main__":

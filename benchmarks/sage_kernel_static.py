@@ -9,8 +9,8 @@ its registers are reused) and C7511 ("insufficient register resources for the wg
 With ``--sass DIR`` each kernel's SASS goes to ``DIR/<kernel>.sass`` (needs ``cuobjdump`` and ``nvdisasm`` on
 ``PATH``), where a spill (``LDL``/``STL``) can be placed against the main loop's ``QGMMA`` instructions, and the
 table gains the loops' figures (:func:`loop_report`): the spill instructions of the compute warpgroups' KV loop,
-and in the DMA warp's KV loop the global loads and whether a branch leaves out all its TMA loads (the tile-map
-kernel's step predicate, ``tile_map_reuse.patch``). ``--compare OLD_DIR`` says per kernel whether its SASS equals
+and in the DMA warp's KV loop the global loads and whether an inner loop scans for the next step to load (the
+tile-map kernels' map scan, ``tile_map_reuse.patch``). ``--compare OLD_DIR`` says per kernel whether its SASS equals
 the one in ``OLD_DIR`` (a ``--sass`` folder of another build, e.g. before a patch) up to code addresses.
 
 Needs nvcc (CUDA 12.8 or newer) and the cuBLAS headers, which FMHAv2's headers include: ``pip download
@@ -71,8 +71,8 @@ def loop_report(sass: str) -> dict:
                        for b in body)
     return dict(loop_qgmma=sum("QGMMA" in o for _, o in compute),
                 loop_spills=sum(bool(re.search(r"\b(?:LDL|STL)\b", o)) for _, o in compute),
-                dma_ldg=sum(bool(re.search(r"\bLDG\b", o)) for _, o in dma), dma_tma=sum("UTMALDG" in o for _, o in dma),
-                dma_scan=bool(scan))
+                dma_ldg=sum(bool(re.search(r"\bLDG\b", o)) for _, o in dma),
+                dma_tma=sum("UTMALDG" in o for _, o in dma), dma_scan=bool(scan))
 
 
 def same_code(sass: str, other: str) -> bool:

@@ -103,8 +103,8 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     # the caller's pointer, and the build defines the flag that gives the params struct that pointer
     # (the tiles the test skipped: a tile-map kernel's reused ones take an empty turn, counting nothing)
     assert ("  count_skipped_tiles(&shared->skipped_tiles[warpgroup_id], tidx, valid_run,                    \\\n"
-            "                      softmax.skipped_step_ | softmax.skipped_half_, actual_kv_seqlen - kv_step_idx * STEP_KV);"
-            ) in compute
+            "                      softmax.skipped_step_ | softmax.skipped_half_, "
+            "actual_kv_seqlen - kv_step_idx * STEP_KV);") in compute
     assert "if (tidx == 0 && params.skip_softmax_skipped_blocks != nullptr) {" in compute
     assert "softmax.total_blocks" not in compute and epilogue.count("this->skipped_step_ = ") == 2
     flags = fmha_v2_sage.nvcc_flags(fmha_v2_sage.pathlib.Path("/generated"))

@@ -24,7 +24,8 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   kernel (``tile_map_reuse.patch``) at :data:`REUSE_KV_STEP` keys per step, one tile, so that a reused tile
   costs its warpgroup nothing whatever its neighbour does: the map's tiles are skipped untested, without their
   K/V loads where both warpgroups of a CTA reuse them, the others tested as above, and the tiles the test skipped
-  are added to the map.
+  are added to the map; at ``skip_factor`` 0 a second tile-map kernel without the test computes the others and
+  leaves the map as it was.
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
 every sequence with as many queries as keys, and V already transposed (``v_layout.patch``). A sequence with fewer
@@ -92,9 +93,9 @@ REUSE_K_BLOCK, REUSE_KV_STEP = 0, 128
 def sage_kernels() -> tuple[SageKernel, ...]:
     """Every kernel the module builds: each compiled K block and KV step, with and without Skip-Softmax (K block
     128 at KV step 256 only: it exists for the block-size sweep), at :data:`LSE_KV_STEP` each of those again
-    writing the softmax statistics (a separate kernel: the others stay as they were), and the Skip-Softmax
-    kernel at :data:`REUSE_K_BLOCK` and :data:`REUSE_KV_STEP` again reusing a tile map, with and without the test
-    (a map at ``skip_factor`` 0 skips its tiles and tests nothing)."""
+    writing the softmax statistics (a separate kernel: the others stay as they were), and the kernels at
+    :data:`REUSE_K_BLOCK` and :data:`REUSE_KV_STEP`, with and without Skip-Softmax, again reusing a tile map (the
+    one without runs a map at ``skip_factor`` 0: it skips the map's tiles and tests nothing)."""
     plain = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
                   for skip in (False, True) if not (k_block == 128 and kv_step != 256))
     return (plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
