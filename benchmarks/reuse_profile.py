@@ -79,12 +79,7 @@ def main(argv=None) -> None:
     quantize_ms = skip_reuse.timed(lambda: fmha_v2_sage.sage_quantize_packed(q, k, v, cu, seq, 0), args.iters)
     cudnn_ms = None
     if not args.once:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            bhsd = [x.transpose(0, 1)[None] for x in (q, k, v)]
-            cudnn_ms = skip_reuse.timed(
-                lambda: torch.nn.functional.scaled_dot_product_attention(*bhsd, scale=d ** -0.5), args.iters)
+        cudnn_ms = skip_reuse.time_cudnn(q, k, v, d ** -0.5, args.iters)
     print(f"reuse_profile: s = {args.sparsity}, {total} tiles, 128-key kernels with "
           f"{fmha_v2_sage.KV_BUFFERS[128]} K/V buffers; quantize {quantize_ms:.2f} ms, cuDNN {cudnn_ms} ms")
     for name, call in calls.items():

@@ -130,6 +130,16 @@ def timed(fn, iters):
     return start.elapsed_time(end) / iters
 
 
+def time_cudnn(q, k, v, scale, iters):
+    """Mean ms of cuDNN SDPA (torch's) on packed ``[seq, heads, 128]`` q, k, v: the peer every row is compared with."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        bhsd = [x.transpose(0, 1)[None] for x in (q, k, v)]
+        return timed(lambda: torch.nn.functional.scaled_dot_product_attention(*bhsd, scale=scale), iters)
+
+
 def main(argv=None) -> None:
     args = parse(argv)
     total = tiles(args.seq, args.heads)
@@ -139,7 +149,6 @@ def main(argv=None) -> None:
     if args.dry_run:
         return
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     from diffusers_trtllm.backends.base import pack_tile_map
@@ -157,7 +166,6 @@ def main(argv=None) -> None:
     shape = fmha_v2_sage.tile_map_shape((seq,), (seq,), heads)
     kv_tiles = -(-seq // 128)
     every_tile = pack_tile_map(torch.ones(shape[:3] + (kv_tiles,), dtype=torch.bool, device="cuda"), shape[-1])
-    cudnn_ms = None
 
     def starting(case, s="-"):
         print(f"  running {case} at s = {s} ...", file=sys.stderr, flush=True)
@@ -204,9 +212,7 @@ def main(argv=None) -> None:
         return ms, int(counts[-1][0]), int(counts[-1][1]), tile_map.clone()
 
     starting("cudnn")
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        bhsd = [x.transpose(0, 1)[None] for x in (q, k, v)]
-        cudnn_ms = timed(lambda: torch.nn.functional.scaled_dot_product_attention(*bhsd, scale=scale), args.iters)
+    cudnn_ms = time_cudnn(q, k, v, scale, args.iters)
     print("| case | s | ms | × cuDNN | skipped by test | skipped by reuse | TFLOP/s (computed tiles) |")
     print("|---|---|---|---|---|---|---|")
     row("cudnn", "-", cudnn_ms, 0, 0, 2 * total)

@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "5ccbd962e9540a31fe19a0cbee4d098b5328243177220afafa20c27c130a8171"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "ac15a6256d650a1f4cc271675c7d722d7f489a61b228d568d995fa185c8768fe"),
-    "0.7.4": "4c3585866ad004fd454b7617ca9716805349705a78b4819b51ffe5e2b6ae296e",
+                    "5fa6c0c85eeb516d8b8a540ff609e13c62ac929a31f3700252b29df2122448ab"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "c1db56c6f3bb2278aab74982d07ac9761843f68e9155518d1f8583340c6bd0d7"),
+    "0.7.4": "db43bc732697151839a817f8eec5932124b839c3a9123f4c65a6d5ffb7134fd2",
 }
 
 
