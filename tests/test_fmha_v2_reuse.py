@@ -60,6 +60,13 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     assert "map_cursor.next_loaded(params, step, kv_idx_start, end)" in compute
     assert "#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK) COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)" \
         in compute
+    # the tile-map kernels vote by one barrier's AND, so the shared slot's reset and the barrier that orders it
+    # before the votes (before Q·Kᵀ) are FlashInfer's kernels' only
+    epilogue = sources["fmha/warpspec/epilogue.h"]
+    assert epilogue.count("bar.red.and.pred p, %2, 128, p;") == 1
+    vote_by_slot = epilogue[epilogue.index("bar.red.and.pred"):].split("#else\n", 1)[1].split("#endif\n", 1)[0]
+    assert "atomicAnd(skip_softmax_vote" in vote_by_slot
+    assert compute.count("#if !DIFFUSERS_TRTLLM_TILE_MAP\n    if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX) {") == 2
 
 
 def _call(q, seqlens=(300,), **kwargs):
