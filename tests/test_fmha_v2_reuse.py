@@ -58,11 +58,25 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     assert dma.count("kv_step_idx = map_cursor.next_loaded(params, kv_step_idx, kv_idx_start, kv_idx_end);") == 1
     assert "typename DMA<Kernel_traits>::Device::Tile_map_cursor map_cursor(" in compute
     assert "map_cursor.next_loaded(params, step, kv_idx_start, end)" in compute
-    assert "#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK) COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)" \
-        in compute
+    # FlashInfer's kernels count every step; a tile-map kernel counts (and maps) only the steps its test skipped
+    plain_step = compute.split("#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK)", 1)[1].split(
+        "#endif\n", 1)[0]
+    assert "COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)" in plain_step and "count_skipped_tiles(" in plain_step
+    compute_step = compute.split("#define COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)", 1)[1].split("\n\n", 1)[0]
+    assert "count_skipped_tiles" not in compute_step
+    record = compute.split("void record_skipped_tile(", 1)[1].split("\n  }\n", 1)[0]
+    assert "if (tidx == 0 && skipped != 0) {" in record and "*count += 1;" in record
+    # the tile-map kernel tests each row once against log2 λ, with no exp; FlashInfer's kernels keep exp2f < λ
+    epilogue = sources["fmha/warpspec/epilogue.h"]
+    log2_test = epilogue.split("#if DIFFUSERS_TRTLLM_TILE_MAP\n", 1)[1].split("#endif\n", 1)[0]
+    mapped, plain = log2_test.split("#else\n")
+    assert "(fmaxf(max_first, max_second) - global_max[mi]) * scale < this->skip_softmax_threshold;" in mapped
+    assert "exp2f" not in mapped and plain.count("exp2f(") == 2
+    assert ("#if DIFFUSERS_TRTLLM_TILE_MAP\n        // diffusers_trtllm: the tile-map kernel tests against log2 λ "
+            "(tile_map_reuse.patch)\n        softmax.skip_softmax_threshold = log2f(softmax.skip_softmax_threshold);"
+            ) in compute
     # the tile-map kernels vote by one barrier's AND, so the shared slot's reset and the barrier that orders it
     # before the votes (before Q·Kᵀ) are FlashInfer's kernels' only
-    epilogue = sources["fmha/warpspec/epilogue.h"]
     assert epilogue.count("bar.red.and.pred p, %2, 128, p;") == 1
     vote_by_slot = epilogue[epilogue.index("bar.red.and.pred"):].split("#else\n", 1)[1].split("#endif\n", 1)[0]
     assert "atomicAnd(skip_softmax_vote" in vote_by_slot
