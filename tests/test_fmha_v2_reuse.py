@@ -58,6 +58,11 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     assert dma.count("kv_step_idx = map_cursor.next_loaded(params, kv_step_idx, kv_idx_start, kv_idx_end);") == 1
     assert "typename DMA<Kernel_traits>::Device::Tile_map_cursor map_cursor(" in compute
     assert "map_cursor.next_loaded(params, step, kv_idx_start, end)" in compute
+    # past a query tile's first step, the compute warpgroups take the step and its reuse bit as one shuffled value
+    step = compute.split("#define TILE_MAP_STEP(end)", 1)[1].split("\n\n", 1)[0]
+    assert "TILE_MAP_NEXT_STEP(kv_step_idx, end)" in step and "kv_step_idx = map_step >> 1;" in step
+    assert "bool const reused = (map_step & 1) != 0;" in step and "TILE_MAP_REUSED" not in step
+    assert dma.count("min(scan(params, kv_step_idx, kv_idx_end), kv_idx_end)") == 1
     # FlashInfer's kernels count every step; a tile-map kernel counts (and maps) only the steps its test skipped
     plain_step = compute.split("#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK)", 1)[1].split(
         "#endif\n", 1)[0]
@@ -81,6 +86,108 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     vote_by_slot = epilogue[epilogue.index("bar.red.and.pred"):].split("#else\n", 1)[1].split("#endif\n", 1)[0]
     assert "atomicAnd(skip_softmax_vote" in vote_by_slot
     assert compute.count("#if !DIFFUSERS_TRTLLM_TILE_MAP\n    if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX) {") == 2
+
+
+CURSOR_HARNESS = r"""
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+namespace bert {
+struct Fused_multihead_attention_params_v2 {
+  const uint32_t* tile_map_entry;
+};
+}  // namespace bert
+struct Device {
+CURSOR
+};
+// stdin: a case count, then per case: words, own row and partner row (-1: none), start, the first masked step,
+// end, and the two rows' words. stdout per case: the DMA's loaded steps | the compute group's steps:reused | the
+// last step's next_loaded, walked as dma.h's KV loop and compute.h's two KV loops (TILE_MAP_STEP) walk them.
+int main() {
+  int cases;
+  if (scanf("%d", &cases) != 1) return 1;
+  while (cases--) {
+    int words, own, partner, start, mask_start, end;
+    if (scanf("%d %d %d %d %d %d", &words, &own, &partner, &start, &mask_start, &end) != 6) return 1;
+    std::vector<uint32_t> map(2 * words);
+    for (auto& word : map) {
+      if (scanf("%u", &word) != 1) return 1;
+    }
+    bert::Fused_multihead_attention_params_v2 params{map.data()};
+    int const own_row = own < 0 ? -1 : 0, partner_row = partner < 0 ? -1 : words;
+    Device::Tile_map_cursor dma(own_row, partner_row);
+    for (int s = start; s < end; s++) {
+      s = dma.next_loaded(params, s, start, end);
+      if (s == end) break;
+      printf("%d ", s);
+    }
+    printf("|");
+    Device::Tile_map_cursor cursor(own_row, partner_row);
+    int s = start;
+    printf("%d:%d ", s, int(cursor.reuses(params, s)));
+    for (s += 1; s < mask_start; ++s) {
+      int const step = cursor.next_step(params, s, mask_start);
+      s = step >> 1;
+      if (s == mask_start) break;
+      printf("%d:%d ", s, step & 1);
+    }
+    for (; s < end; ++s) {
+      int const step = cursor.next_step(params, s, end);
+      s = step >> 1;
+      if (s == end) break;
+      printf("%d:%d ", s, step & 1);
+    }
+    printf("|%d\n", cursor.next_loaded(params, end - 1, start, end));
+  }
+  return 0;
+}
+"""
+
+
+def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
+    """The patched dma.h's Tile_map_cursor, compiled for the host from the header's own text: the DMA warp loads
+    the range's first step and every step one of the two tiles does not reuse; a compute warpgroup visits those
+    same steps (else the circular buffers fall out of step and the kernel hangs), each with its own tile's bit;
+    on random maps with full and empty words, rows without a map, and every split into the two KV loops."""
+    import random
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("needs a host C++ compiler (g++) to build the map cursor")
+    dma = fmha_v2_sage.patched_headers()["fmha/warpspec/dma.h"]
+    begin = dma.index("    static inline __device__ uint32_t reused_word(")
+    cursor = dma[begin:dma.index("\n    };\n", begin) + len("\n    };\n")]
+    for device, host in (("__device__ ", ""), ("__ldg(", "*("), ("__ffs(", "__builtin_ffs("), (" min(", " std::min(")):
+        cursor = cursor.replace(device, host)
+    (tmp_path / "cursor.cpp").write_text(CURSOR_HARNESS.replace("CURSOR", cursor))
+    subprocess.run([compiler, "-std=c++17", "-O1", "-o", str(tmp_path / "cursor"), str(tmp_path / "cursor.cpp")],
+                   check=True)
+    rng, cases, expected = random.Random(0), [], []
+    for _ in range(400):
+        words = rng.randint(1, 4)
+        rows = [[(rng.random() < density) for _ in range(32 * words)] for density in
+                (rng.choice((0.0, 0.5, 0.9, 1.0)), rng.choice((0.0, 0.5, 0.9, 1.0)))]
+        for row in rows:  # whole words of reuse, which the scan passes in one read
+            for w in range(words):
+                if rng.random() < 0.3:
+                    row[32 * w:32 * w + 32] = [True] * 32
+        own, partner = (-1 if rng.random() < 0.1 else 0), (-1 if rng.random() < 0.1 else 1)
+        start = rng.randrange(32 * words)
+        end = rng.randint(start + 1, 32 * words)
+        mask_start = rng.randint(start, end)
+        own_bits = rows[0] if own >= 0 else [True] * (32 * words)
+        partner_bits = rows[1] if partner >= 0 else [True] * (32 * words)
+        loaded = [start] + [s for s in range(start + 1, end) if not (own_bits[s] and partner_bits[s])]
+        packed = [sum(bit << j for j, bit in enumerate(row[32 * w:32 * w + 32])) for row in rows for w in range(words)]
+        cases.append(" ".join(map(str, (words, own, partner, start, mask_start, end, *packed))))
+        expected.append(" ".join(map(str, loaded)) + " |" + " ".join(f"{s}:{int(own_bits[s])}" for s in loaded)
+                        + f" |{end - 1 if loaded[-1] == end - 1 else end}")
+    walked = subprocess.run([str(tmp_path / "cursor")], input=f"{len(cases)}\n" + "\n".join(cases) + "\n",
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert walked == expected
 
 
 def _call(q, seqlens=(300,), **kwargs):

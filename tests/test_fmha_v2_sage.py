@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "c8752c4359cc53e6710f81a7243e20cd9f88f4c464da0715e02da426e01e4b57"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "1614f3528e30a93c7e97ac99385b581d0b108573c4692320339e144a678f3c61"),
-    "0.7.4": "edb1b22f2b1769996349a5ee0e2be28ae46e1347cc33587a47550869862b3094",
+                    "7af1fbc03349b1c68a406c62ec770d0090b641053c83fa6f5b1cb8e80bc02426"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "fcc2bdb8c308686613f0d180f19de7d9dd56bb3ae840acfa088bda94fc835147"),
+    "0.7.4": "b4e0ec6629b0a6d0180b08c5ec09f6f55be3c6feb4168560aaa50452c0b973b2",
 }
 
 
