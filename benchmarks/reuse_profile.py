@@ -11,7 +11,15 @@ test, which computes every tile the map does not hold). Each call includes its q
 Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
 the ratio to cuDNN and the TFLOP/s of the tiles computed. ``--kv-buffers N`` builds and runs a module whose 128-key
 kernels keep N K/V buffers in flight instead of ``fmha_v2_sage.KV_BUFFERS``' choice (an experiment: the module is
-built on first use). With ``--once`` it calls each case once, untimed, for Nsight Compute:
+built on first use). ``--tile-map-patch FILE`` builds the module with FILE in place of the package's
+``tile_map_reuse.patch`` (the other patches as they are), for an A/B of a kernel change in one device call, one
+process per build (two modules with the same kernel names in one process could call each other's):
+
+    git show c9ba52e:diffusers_trtllm/kernels/csrc/fmha_v2_patches/tile_map_reuse.patch > ab/before.patch
+    python benchmarks/reuse_profile.py --iters 5
+    python benchmarks/reuse_profile.py --iters 5 --tile-map-patch ab/before.patch
+
+With ``--once`` it calls each case once, untimed, for Nsight Compute:
 
     ncu --clock-control none -k regex:fmha_v2 --section SpeedOfLight ... python benchmarks/reuse_profile.py --once
 """
@@ -19,11 +27,25 @@ built on first use). With ``--once`` it calls each case once, untimed, for Nsigh
 import argparse
 import math
 import pathlib
+import shutil
 import sys
+import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import skip_reuse  # noqa: E402  (the data model and the timer)
 
+
+def use_tile_map_patch(patch: pathlib.Path) -> None:
+    """Build the FMHAv2 SAGE module with ``patch`` as ``tile_map_reuse.patch``: ``fmha_v2_sage`` reads its
+    patches from a copy of its folder holding it (the module's name follows its sources, so it builds apart)."""
+    from diffusers_trtllm.kernels import fmha_v2_sage
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="fmha_v2_patches_"))
+    for patch_file in fmha_v2_sage.header_patch_files():
+        shutil.copy(patch_file, folder)
+    shutil.copy(patch, folder / "tile_map_reuse.patch")
+    fmha_v2_sage.PATCH_FOLDER = folder
+    fmha_v2_sage.load_module.cache_clear()
 
 
 def main(argv=None) -> None:
@@ -32,9 +54,13 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=3, help="timed calls per case")
     parser.add_argument("--once", action="store_true", help="one untimed call per case (for a profiler)")
     parser.add_argument("--kv-buffers", type=int, choices=(2, 3, 4), help="K/V buffers of the 128-key kernels")
+    parser.add_argument("--tile-map-patch", type=pathlib.Path,
+                        help="build with this file as tile_map_reuse.patch (an A/B of a kernel change)")
     args = parser.parse_args(argv)
     if not 0.0 < args.sparsity < 1.0 or args.iters < 1:
         parser.error(f"--sparsity must lie in (0, 1) and --iters be >= 1; got {args.sparsity}, {args.iters}")
+    if args.tile_map_patch is not None and not args.tile_map_patch.is_file():
+        parser.error(f"--tile-map-patch {args.tile_map_patch}: no such file")
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -43,6 +69,8 @@ def main(argv=None) -> None:
     from diffusers_trtllm.backends.base import pack_tile_map
     from diffusers_trtllm.kernels import fmha_v2_sage
 
+    if args.tile_map_patch is not None:
+        use_tile_map_patch(args.tile_map_patch)
     if args.kv_buffers:
         fmha_v2_sage.KV_BUFFERS[128] = args.kv_buffers
     seq, heads, d = 75_600, 40, skip_reuse.HEAD_DIM
@@ -81,7 +109,8 @@ def main(argv=None) -> None:
     if not args.once:
         cudnn_ms = skip_reuse.time_cudnn(q, k, v, d ** -0.5, args.iters)
     print(f"reuse_profile: s = {args.sparsity}, {total} tiles, 128-key kernels with "
-          f"{fmha_v2_sage.KV_BUFFERS[128]} K/V buffers; quantize {quantize_ms:.2f} ms, cuDNN {cudnn_ms} ms")
+          f"{fmha_v2_sage.KV_BUFFERS[128]} K/V buffers, module {fmha_v2_sage.jit_spec().name} (tile-map patch "
+          f"{args.tile_map_patch or 'of the package'}); quantize {quantize_ms:.2f} ms, cuDNN {cudnn_ms} ms")
     for name, call in calls.items():
         if args.once:
             call()

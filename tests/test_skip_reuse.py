@@ -14,6 +14,7 @@
 
 import copy
 import math
+import pathlib
 import subprocess
 import sys
 
@@ -433,9 +434,35 @@ def test_the_profiling_script_refuses_bad_arguments_and_a_machine_without_hopper
     script = "benchmarks/reuse_profile.py"
     bad = subprocess.run([sys.executable, script, "--sparsity", "1.5"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--sparsity must lie in (0, 1)" in bad.stderr.splitlines()[-1]
+    missing = subprocess.run([sys.executable, script, "--tile-map-patch", "no/such.patch"], capture_output=True,
+                             text=True)
+    assert missing.returncode == 2 and "--tile-map-patch no/such.patch: no such file" in missing.stderr
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script, "--once"], capture_output=True, text=True)
         assert proc.returncode == 1 and proc.stderr.strip() == "reuse_profile: needs an sm_90 GPU (H100/H200)"
+
+
+def test_the_profiling_script_builds_an_other_tile_map_patch_apart(tmp_path, monkeypatch):
+    """--tile-map-patch: the headers and the module's name follow the given patch; the other patches stay."""
+    from diffusers_trtllm.kernels import fmha_v2_sage
+
+    monkeypatch.setattr(fmha_v2_sage, "PATCH_FOLDER", fmha_v2_sage.PATCH_FOLDER)
+    package_headers = fmha_v2_sage.patched_headers()
+    package_name = fmha_v2_sage._module_name(fmha_v2_sage.kernel_sources())
+    patch = (fmha_v2_sage.PATCH_FOLDER / "tile_map_reuse.patch").read_text()
+    marked = "the maps' row of query tile `q_tile` (-1 without a map or a row),"
+    assert patch.count(marked) == 1
+    (tmp_path / "other.patch").write_text(patch.replace(marked, marked.replace("(-1", "(A/B: -1")))
+    load_script("benchmarks/reuse_profile.py").use_tile_map_patch(tmp_path / "other.patch")
+    headers = fmha_v2_sage.patched_headers()
+    assert [path for path in headers if headers[path] != package_headers[path]] == ["fmha/warpspec/compute.h"]
+    assert "`q_tile` (A/B: -1 without a map" in headers["fmha/warpspec/compute.h"]
+    assert [p.name for p in fmha_v2_sage.header_patch_files()] == [
+        f"{name}.patch" for name in fmha_v2_sage.HEADER_PATCHES]
+    assert all(p.read_text() == (pathlib.Path(fmha_v2_sage.__file__).with_name("csrc") / "fmha_v2_patches" /
+                                 p.name).read_text() for p in fmha_v2_sage.header_patch_files()
+               if p.name != "tile_map_reuse.patch")
+    assert fmha_v2_sage._module_name(fmha_v2_sage.kernel_sources()) != package_name
 
 
 def test_the_drift_model_moves_as_many_decisions_each_way_among_the_movable_tiles():
