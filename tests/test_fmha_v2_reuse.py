@@ -63,6 +63,8 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     assert "TILE_MAP_NEXT_STEP(kv_step_idx, end)" in step and "kv_step_idx = map_step >> 1;" in step
     assert "bool const reused = (map_step & 1) != 0;" in step and "TILE_MAP_REUSED" not in step
     assert dma.count("min(scan(params, kv_step_idx, kv_idx_end), kv_idx_end)") == 1
+    # the tile-map kernels' DMA warp divides for the K/V head once per query tile pair, FlashInfer's every step
+    assert "load_kv(Kernel_traits::TILE_MAP_REUSE ? bidh_kv : bidh / params.h_q_per_kv," in dma
     # FlashInfer's kernels count every step; a tile-map kernel counts (and maps) only the steps its test skipped
     plain_step = compute.split("#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK)", 1)[1].split(
         "#endif\n", 1)[0]

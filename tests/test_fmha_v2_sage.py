@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "7af1fbc03349b1c68a406c62ec770d0090b641053c83fa6f5b1cb8e80bc02426"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "fcc2bdb8c308686613f0d180f19de7d9dd56bb3ae840acfa088bda94fc835147"),
-    "0.7.4": "b4e0ec6629b0a6d0180b08c5ec09f6f55be3c6feb4168560aaa50452c0b973b2",
+                    "ccc9a7734b7625f6200de210c4d78ccb0cb815c19befd363028119a015dfe787"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "3347a8d5d8a1842c8c2e49257b30c6fdc29319469e1aef89d9507562bceab8f2"),
+    "0.7.4": "859933d37adbfa0f9afc6c6fa796117805a12bcbd3a308b2384b68ba09bf459a",
 }
 
 
