@@ -75,13 +75,25 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     assert "if (tidx == 0 && skipped != 0) {" in record and "*count += 1;" in record
     # the tile-map kernel tests each row once against log2 λ, with no exp; FlashInfer's kernels keep exp2f < λ
     epilogue = sources["fmha/warpspec/epilogue.h"]
-    log2_test = epilogue.split("#if DIFFUSERS_TRTLLM_TILE_MAP\n", 1)[1].split("#endif\n", 1)[0]
+    log2_test = epilogue.split("#if DIFFUSERS_TRTLLM_TILE_MAP\n        // diffusers_trtllm (tile_map_reuse.patch): one "
+                               "128-key tile per step", 1)[1].split("#endif\n", 1)[0]
     mapped, plain = log2_test.split("#else\n")
     assert "(fmaxf(max_first, max_second) - global_max[mi]) * scale < this->skip_softmax_threshold;" in mapped
     assert "exp2f" not in mapped and plain.count("exp2f(") == 2
     assert ("#if DIFFUSERS_TRTLLM_TILE_MAP\n        // diffusers_trtllm: the tile-map kernel tests against log2 λ "
             "(tile_map_reuse.patch)\n        softmax.skip_softmax_threshold = log2f(softmax.skip_softmax_threshold);"
             ) in compute
+    # the tile-map kernels call the softmax's max-and-vote and its exps apart (kept path in one block); the
+    # preprocessor leaves FlashInfer's kernels the whole function
+    assert compute.count("#if DIFFUSERS_TRTLLM_TILE_MAP\n    // diffusers_trtllm: the vote first, the exps on the kept path "
+                         "(Softmax::compute_and_update_scale)\n    if (!softmax.compute_max_and_vote<IS_FIRST_COL>(p_max, "
+                         "skip_softmax_vote)) {\n#else\n    if (!softmax.compute_and_update_scale<IS_FIRST_COL>(") == 1
+    assert "#if DIFFUSERS_TRTLLM_TILE_MAP\n    softmax.compute_exps_and_update<IS_FIRST_COL>(p_max, p_sum);\n#endif" \
+        in compute
+    split = epilogue.split("inline __device__ bool compute_max_and_vote(", 1)[1].split("// Update flash attention", 1)[0]
+    assert split.index("#else\n  inline __device__ bool compute_and_update_scale(") < split.index(
+        "#if DIFFUSERS_TRTLLM_TILE_MAP\n    return true;\n  }\n") < split.index(
+        "inline __device__ void compute_exps_and_update(") < split.index("#if !DIFFUSERS_TRTLLM_TILE_MAP\n    return true;")
     # the tile-map kernels vote by one barrier's AND, so the shared slot's reset and the barrier that orders it
     # before the votes (before Q·Kᵀ) are FlashInfer's kernels' only
     assert epilogue.count("bar.red.and.pred p, %2, 128, p;") == 1
