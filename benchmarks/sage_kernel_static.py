@@ -62,9 +62,13 @@ def loop_report(sass: str) -> dict:
     """Figures of the compute warpgroups' KV loop (the innermost loop with GMMAs) and of the DMA warp's (the
     innermost with TMA loads and no GMMA): spill instructions in the first; global loads in the second, and
     whether it holds an inner loop with global loads and no TMA load (the tile-map kernel's scan of its map for
-    the next step to load, ``tile_map_reuse.patch``)."""
+    the next step to load, ``tile_map_reuse.patch``). And the size of one step's code, comparable across
+    kernels: the innermost GMMA loop that masks scores (``FSEL``), the loop over a query tile's last KV step,
+    with its ``MUFU`` (exps) and ``PRMT`` (byte permutes) instructions; the compute warpgroups' time per step
+    follows their instructions where they are issue-bound (benchmarks/RESULTS.md)."""
     body = loops(instructions(sass))
     compute = next((b for b in body if any("QGMMA" in o for _, o in b)), [])
+    last_step = next((b for b in body if any("QGMMA" in o for _, o in b) and any("FSEL" in o for _, o in b)), [])
     dma = next((b for b in body if any("UTMALDG" in o for _, o in b) and not any("QGMMA" in o for _, o in b)), [])
     scan = dma and any(len(b) < len(dma) and dma[0][0] <= b[0][0] and b[-1][0] <= dma[-1][0]
                        and any(re.search(r"\bLDG\b", o) for _, o in b) and not any("UTMALDG" in o for _, o in b)
@@ -72,7 +76,8 @@ def loop_report(sass: str) -> dict:
     return dict(loop_qgmma=sum("QGMMA" in o for _, o in compute),
                 loop_spills=sum(bool(re.search(r"\b(?:LDL|STL)\b", o)) for _, o in compute),
                 dma_ldg=sum(bool(re.search(r"\bLDG\b", o)) for _, o in dma),
-                dma_tma=sum("UTMALDG" in o for _, o in dma), dma_scan=bool(scan))
+                dma_tma=sum("UTMALDG" in o for _, o in dma), dma_scan=bool(scan), step_loop=len(last_step),
+                step_mufu=sum("MUFU" in o for _, o in last_step), step_prmt=sum("PRMT" in o for _, o in last_step))
 
 
 def same_code(sass: str, other: str) -> bool:
@@ -152,7 +157,8 @@ def main() -> None:
         rows = list(tqdm(pool.map(lambda c: report(*c, args.sass, args.compare), commands), total=len(commands),
                          desc="nvcc sm_90a", unit="kernel"))
     columns = ["kernel", "registers", "spill_stores", "spill_loads", "notes"] + (
-        ["qgmma", "spill_instructions", "loop_qgmma", "loop_spills", "dma_ldg", "dma_tma", "dma_scan"]
+        ["qgmma", "spill_instructions", "loop_qgmma", "loop_spills", "dma_ldg", "dma_tma", "dma_scan", "step_loop",
+         "step_mufu", "step_prmt"]
         if args.sass else []) + (["same_sass"] if args.compare else [])
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for row in sorted(rows, key=lambda r: r["kernel"]):

@@ -586,4 +586,17 @@ def test_the_static_report_finds_the_dma_loops_map_scan():
     assert not static.loop_report(SASS.replace("@!P0 BRA 0x0010", "@!P0 BRA 0x0040"))["dma_scan"]
     assert not static.loop_report(SASS.replace("LDG.E.CONSTANT R4, desc[UR36][R4.64]", "NOP"))["dma_scan"]
     assert static.same_code(SASS, SASS.replace("0x0070", "0x0080").replace("/*0010*/", "/*0020*/"))
+    # one step's code: the innermost GMMA loop that masks (the last KV step's), with its exps and permutes
+    steps = """
+        /*0000*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT ;
+        /*0010*/                   MUFU.EX2 R2, R2 ;
+        /*0020*/              @P1 BRA 0x0000 ;
+        /*0030*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT ;
+        /*0040*/                   FSEL R3, R3, -3.40282346638528859812e+38, !P4 ;
+        /*0050*/                   MUFU.EX2 R2, R2 ;
+        /*0060*/                   PRMT R24, R24, 0x5410, R29 ;
+        /*0070*/              @P1 BRA 0x0030 ;
+"""
+    figures = static.loop_report(steps)
+    assert (figures["step_loop"], figures["step_mufu"], figures["step_prmt"]) == (5, 1, 1)
     assert not static.same_code(SASS, SASS.replace("R2, [R1+0x8]", "R3, [R1+0x8]"))
