@@ -2,7 +2,9 @@
 75,600 × 40 × 128 on skip_reuse.py's published-curve data (one sm_90 GPU).
 
 Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip),
-``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps), ``reuse``
+``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps),
+``fresh256`` (the Skip-Softmax kernel of 256-key steps writing a zeroed map: what a reuse window's first step
+runs), ``reuse``
 (from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV step computed,
 the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without Skip-Softmax's
 test, which computes every tile the map does not hold). Each call includes its quantization, timed alone as
@@ -88,12 +90,11 @@ def main(argv=None) -> None:
         return lambda: fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
                                                            kv_step=kv_step)
 
-    def mapped(entry, test=True):
+    def mapped(entry, test=True, kv_step=fmha_v2_sage.REUSE_KV_STEP):
         def call():
             tile_map.copy_(entry)
             counts.zero_()
-            fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
-                                                kv_step=fmha_v2_sage.REUSE_KV_STEP,
+            fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0, kv_step=kv_step,
                                                 skip_factor=factor if test else 0.0, skip_counts=counts,
                                                 tile_map=tile_map)
         return call
@@ -101,6 +102,7 @@ def main(argv=None) -> None:
     mapped(torch.zeros_like(tile_map))()
     fresh_map = tile_map.clone()
     calls = {"dense256": dense(256), "dense128": dense(128), "fresh": mapped(torch.zeros_like(tile_map)),
+             "fresh256": mapped(torch.zeros_like(tile_map), kv_step=fmha_v2_sage.FRESH_KV_STEP),
              "reuse": mapped(fresh_map), "walk": mapped(every_tile), "reuse untested": mapped(fresh_map, test=False)}
     total = heads * -(-seq // 64) * kv_tiles
     gemm_flops = 2 * 64 * 128 * d

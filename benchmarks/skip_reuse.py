@@ -11,7 +11,9 @@ offset), so that the factor a·exp(b·s) of NVIDIA's Wan 2.2 fit skips about a f
 FMHAv2 runs its dense and Skip-Softmax rows at the route's 256-key steps and its reuse rows on the tile-map kernel
 (one 128-key tile per step). Reuse (``fmha_v2_sage.fmha_v2_sage_attention(..., tile_map=...)``,
 ``triton_sage.triton_sage_attention(..., tile_map=...)`` at q/k blocks 1/16): a call with a zeroed map
-(every tile tested) leaves the map of the tiles it skipped; "sage+reuse" runs from that map on the same data,
+(every tile tested: "sage+reuse first step", FMHAv2's on the 256-key Skip-Softmax kernel that writes the map, as
+the route runs a reuse window's first step) leaves the map of the tiles it skipped; "sage+reuse" runs from that
+map on the same data,
 "sage+reuse drift" ``--steps`` steps of a drift model: before each step a fraction ``--drift`` of the map's set bits
 is cleared and as many unset bits are set (decisions that moved between denoising steps), from the map the
 previous step left. Each timed call starts from its step's map (a copy: the kernel updates it in place).
@@ -38,8 +40,8 @@ import sys
 
 A, B = 2822.62, 4.388  # NVIDIA's Wan 2.2 fit: factor = a · exp(b · s)
 HEAD_DIM = 128
-CASES = ("cudnn", "sage", "sage+reuse of every tile", "sage+skip", "sage+reuse", "sage+reuse untested",
-         "sage+reuse drift")
+CASES = ("cudnn", "sage", "sage+reuse of every tile", "sage+skip", "sage+reuse first step", "sage+reuse",
+         "sage+reuse untested", "sage+reuse drift")
 KERNELS = ("fmha_v2", "triton")  # the SAGE fp8 kernels with tile maps, each timed with its own quantization
 
 
@@ -175,13 +177,15 @@ def main(argv=None) -> None:
         print(f"| {case} | {s} | {ms:.1f} | {cudnn_ms / ms:.2f} | {test / total:.2f} | {reused / total:.2f} | "
               f"{tflops:.0f} |", flush=True)
 
-    def attend(kernel, factor=0.0, tile_map=None):
+    def attend(kernel, factor=0.0, tile_map=None, fresh=False):
         """One call of ``kernel`` (quantization included); returns device counts (tested, reused) where it skips
-        or reuses, else None."""
+        or reuses, else None. ``fresh``: ``tile_map`` is zeroed (a reuse window's first step)."""
         counting = bool(factor) or tile_map is not None
         if kernel == "fmha_v2":
             counts = torch.zeros(2 if tile_map is not None else 1, dtype=torch.int32, device="cuda")
-            kv_step = FMHA_V2_KV_STEP if tile_map is None else fmha_v2_sage.REUSE_KV_STEP  # as the route runs them
+            # as the route runs them: a map to reuse one tile per step, a zeroed one on the Skip-Softmax steps
+            kv_step = (FMHA_V2_KV_STEP if tile_map is None else fmha_v2_sage.FRESH_KV_STEP if fresh
+                       else fmha_v2_sage.REUSE_KV_STEP)
             fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), scale, k_block=0, kv_step=kv_step,
                                                 skip_factor=factor, skip_counts=counts if counting else None,
                                                 tile_map=tile_map)
@@ -199,14 +203,15 @@ def main(argv=None) -> None:
         else:
             triton_sage.sage_quantize(q, k, v, cu, cu, seq, seq, dtype_qk="fp8_e4m3", q_block=1, k_block=16)
 
-    def reuse(kernel, factor, entry):
-        """(ms, tiles skipped by test, by reuse, the map a call leaves) of calls each from a copy of ``entry``."""
+    def reuse(kernel, factor, entry, fresh=False):
+        """(ms, tiles skipped by test, by reuse, the map a call leaves) of calls each from a copy of ``entry``
+        (``fresh``: a zeroed one)."""
         tile_map = torch.empty_like(entry)
         counts = []
 
         def call():
             tile_map.copy_(entry)
-            counts.append(attend(kernel, factor, tile_map))
+            counts.append(attend(kernel, factor, tile_map, fresh))
 
         ms = timed(call, args.iters)
         return ms, int(counts[-1][0]), int(counts[-1][1]), tile_map.clone()
@@ -234,8 +239,10 @@ def main(argv=None) -> None:
             skipped = int(counts[-1][0])
             row(f"{kernel} sage+skip", s, ms, skipped, 0, total + (total - skipped))
             # the previous step on the same data: a zeroed map tests every tile and leaves the ones it skipped
-            starting(f"{kernel} sage+reuse (fresh map)", s)
-            _, _, _, entry = reuse(kernel, factor, torch.zeros(shape, dtype=torch.int32, device="cuda"))
+            starting(f"{kernel} sage+reuse first step", s)
+            ms, test, reused, entry = reuse(kernel, factor, torch.zeros(shape, dtype=torch.int32, device="cuda"),
+                                            fresh=True)
+            row(f"{kernel} sage+reuse first step", s, ms, test, reused, 2 * total - 2 * reused - test)
             starting(f"{kernel} sage+reuse", s)
             ms, test, reused, entries[kernel, s] = reuse(kernel, factor, entry)
             row(f"{kernel} sage+reuse", s, ms, test, reused, 2 * total - 2 * reused - test)

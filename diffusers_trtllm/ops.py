@@ -92,7 +92,8 @@ def _attend(q, k, v, valid_lengths, settings, backend, scale, causal, quant, per
         raise BackendUnavailableError(reason)
     plan = KernelPlan(backend=backend, scale=scale, causal=causal, skip_factor=factor,
                       quant=decode_quant(quant) if sage else None, tile=(tile_q, tile_kv), count_skips=counting,
-                      return_lse=return_lse, reuse=reuse, tile_map=tile_map)
+                      return_lse=return_lse, reuse=reuse, tile_map=tile_map,
+                      map_zeroed=tile_map is not None and reuse_mode == REUSE_FRESH)
     result = run_backend(backend, qkv, plan)
     if reuse:
         run.keep_tile_map(site, branch, lengths, result.tile_map)

@@ -7,6 +7,7 @@ route's plumbing. GPU (``-m gpu``, sm_90): against ``TORCH_REFERENCE`` with the 
 kernel's fp8 sums, so skip decisions agree tile for tile.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -36,6 +37,15 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     assert reuse == [fmha_v2_sage.SageKernel(0, 128, True, reuse=True), fmha_v2_sage.SageKernel(0, 128, False,
                                                                                               reuse=True)]
     sources = fmha_v2_sage.kernel_sources()
+    # and the Skip-Softmax kernel of 256-key steps that writes a zeroed map (a reuse window's first step)
+    writer = [k for k in fmha_v2_sage.sage_kernels() if k.map_out]
+    assert writer == [fmha_v2_sage.SageKernel(0, fmha_v2_sage.FRESH_KV_STEP, True, map_out=True)]
+    names = fmha_v2_sage.kernel_names(writer[0])
+    assert all("skipSoftmax_tileMapOut_sage" in name for name in names) and "_64_256_S_" in names[0]
+    assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP_OUT 1")
+    assert ("kv_step == 256 && skip == true && lse == false && tile_map == true) {\n    " + names[1]
+            ) in sources["sage_kernels.h"]
+    assert sum("DIFFUSERS_TRTLLM_TILE_MAP_OUT 1" in code for name, code in sources.items() if name.endswith(".cu")) == 1
     for kernel in reuse:
         plain = fmha_v2_sage.kernel_names(fmha_v2_sage.SageKernel(0, kernel.kv_step, kernel.skip_softmax))
         names = fmha_v2_sage.kernel_names(kernel)
@@ -228,21 +238,24 @@ def test_a_tile_map_of_2_31_words_is_refused_before_any_work():
     tile_map = torch.empty(fmha_v2_sage.tile_map_shape((seq,), (seq,), heads), dtype=torch.int32, device="meta")
     assert tile_map.numel() >= 2 ** 31
     with pytest.raises(ValueError, match=rf"tile_map has {tile_map.numel()} words; .* 32-bit offsets"):
-        fmha_v2_sage._check_tile_map(tile_map, q, (seq,), None, 0, fmha_v2_sage.REUSE_KV_STEP, False)
+        fmha_v2_sage._check_tile_map(tile_map, q, (seq,), None, 0, fmha_v2_sage.REUSE_KV_STEP, False, 1.0)
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(k_block=64), r"k_block=0, kv_step=128 and no return_lse; got k_block=64"),
-    (dict(kv_step=256), "got k_block=0, kv_step=256"),  # the skip kernel's step: its 256-key twin is not built
+    (dict(k_block=64), r"k_block=0, kv_step=128 \(or kv_step=256 with skip_factor > 0: a zeroed map written\) "
+                       r"and no return_lse; got k_block=64"),
+    # 256-key steps write a zeroed map, testing every tile: without the test there is nothing to write
+    (dict(kv_step=256, skip_factor=0.0), "got k_block=0, kv_step=256, skip_factor=0.0"),
+    (dict(kv_step=256, k_block=64), "got k_block=64, kv_step=256"),
     (dict(return_lse=True), "return_lse=True"),
     (dict(skip_counts=torch.zeros(1, dtype=torch.int32)), r"int32 \[2\] tensor on cpu \(with a tile map: tested"),
 ])
 def test_a_tile_map_needs_the_tile_map_kernel_and_two_counts(kwargs, words):
     q = torch.zeros(300, 2, 128, dtype=torch.bfloat16)
-    call = dict(k_block=0, kv_step=128, tile_map=torch.zeros(1, 2, 5, 1, dtype=torch.int32)) | kwargs
+    call = dict(k_block=0, kv_step=128, skip_factor=1.0, tile_map=torch.zeros(1, 2, 5, 1, dtype=torch.int32)) | kwargs
     cu = torch.tensor([0, 300], dtype=torch.int32)
     with pytest.raises(ValueError, match=words):
-        fmha_v2_sage.fmha_v2_sage_attention(q, q, q, cu, (300,), SCALE, skip_factor=1.0, **call)
+        fmha_v2_sage.fmha_v2_sage_attention(q, q, q, cu, (300,), SCALE, **call)
 
 
 def test_the_map_shape_follows_the_query_and_key_lengths():
@@ -278,6 +291,12 @@ def test_the_binding_gets_a_copy_of_the_map_and_the_map_itself(monkeypatch):
     entry, written = seen[11], seen[12]
     assert written is tile_map  # updated in place
     assert torch.equal(entry, tile_map) and entry.data_ptr() != tile_map.data_ptr()  # read from a copy
+    # the map-writing kernel (256-key steps, a zeroed map) reads none of it: no copy
+    seen.clear()
+    fmha_v2_sage.sage_attention_packed(packed, torch.tensor([0, tokens], dtype=torch.int32), (tokens,), heads,
+                                       SCALE, 1.0, fmha_v2_sage.FRESH_KV_STEP, torch.zeros(1, dtype=torch.int32),
+                                       None, tile_map)
+    assert seen[11].numel() == 0 and seen[12] is tile_map and seen[18] == fmha_v2_sage.FRESH_KV_STEP
 
 
 def _fake_kernel(monkeypatch, skipped):
@@ -299,20 +318,25 @@ def _qkv(seqlens_q, seqlens_kv, heads):
     return VarlenQKV(q, kv, kv, tuple(seqlens_q), tuple(seqlens_kv))
 
 
-@pytest.mark.parametrize("given", [True, False], ids=["plan-map", "fresh-map"])
+@pytest.mark.parametrize("given", ["plan-map", "zeroed-map", "no-map"])
 def test_the_hopper_sage_route_runs_a_reuse_plan_with_its_map_and_reports_both_counts(monkeypatch, given):
+    """A map to reuse runs on the tile-map kernel (128-key steps); a zeroed one (the plan says so: a reuse
+    window's first step) or none runs on the Skip-Softmax kernel's 256-key steps, which writes the map."""
     seen = _fake_kernel(monkeypatch, skipped=7)
     qkv = _qkv((100, 150), (164, 300), 4)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 4)
-    tile_map = torch.full(shape, 3, dtype=torch.int32) if given else None
-    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=FP8, skip_factor=7.0, reuse=True, tile_map=tile_map)
-    assert trtllm.reuse_unavailable_reason(plan, qkv) is None
+    tile_map = {"plan-map": torch.full(shape, 3, dtype=torch.int32), "zeroed-map": torch.zeros(shape, dtype=torch.int32),
+                "no-map": None}[given]
+    plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=FP8, skip_factor=7.0, reuse=True, tile_map=tile_map,
+                      map_zeroed=given == "zeroed-map")
+    assert trtllm.reuse_unavailable_reason(plan, qkv) is None and plan.fresh_map == (given != "plan-map")
     result = trtllm._run_hopper_sage(qkv, plan)
     assert result.tile_map is seen["tile_map"] and tuple(result.tile_map.shape) == shape
-    assert (result.tile_map is tile_map) if given else not result.tile_map.any()
-    assert seen["k_block"] == fmha_v2_sage.REUSE_K_BLOCK and seen["kv_step"] == fmha_v2_sage.REUSE_KV_STEP
-    assert int(result.skipped_tiles) == 7 and int(result.reused_tiles) == (2 * torch.tensor(shape).prod() if given
-                                                                           else 0)
+    assert (result.tile_map is tile_map) if tile_map is not None else not result.tile_map.any()
+    kv_step = fmha_v2_sage.FRESH_KV_STEP if plan.fresh_map else fmha_v2_sage.REUSE_KV_STEP
+    assert seen["k_block"] == fmha_v2_sage.REUSE_K_BLOCK and seen["kv_step"] == kv_step
+    assert int(result.skipped_tiles) == 7 and int(result.reused_tiles) == (2 * torch.tensor(shape).prod()
+                                                                           if given == "plan-map" else 0)
     assert result.total_tiles == fmha_v2_sage.skip_tiles((164, 300), 4)
 
 
@@ -384,21 +408,39 @@ SHAPES = {"self": ((1100, 300, 4500), (1100, 300, 4500)), "fewer-queries": ((600
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", SHAPES.values(), ids=SHAPES.keys())
 def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths):
+    """A reuse window's first step (no map, or a zeroed one) runs the Skip-Softmax kernel's 256-key steps, which
+    also writes the map: its output and count are that kernel's without a map, its map the reference's decisions
+    at those steps. The tile-map kernel from a zeroed map (128-key steps) is today's 128-key kernel likewise."""
     _hopper()
     qkv = peaky_qkv(*lengths, 8, 2)
+
+    def today(kv_step, tile_map=None):
+        counts = torch.zeros(1 if tile_map is None else 2, dtype=torch.int32, device=qkv.q.device)
+        out = fmha_v2_sage.fmha_v2_sage_attention(
+            qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), qkv.seqlens_kv, SCALE, cu_seqlens_q=qkv.cu_seqlens("q"),
+            seqlens_q=qkv.seqlens_q, k_block=0, kv_step=kv_step, skip_factor=300.0, skip_counts=counts,
+            tile_map=tile_map)
+        return out, counts
+
     fresh = run_backend("TRTLLM_ATTN", qkv, _plan(300.0))
-    today_skipped = torch.zeros(1, dtype=torch.int32, device=qkv.q.device)  # the skip kernel at the same step
-    today = fmha_v2_sage.fmha_v2_sage_attention(
-        qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), qkv.seqlens_kv, SCALE, cu_seqlens_q=qkv.cu_seqlens("q"),
-        seqlens_q=qkv.seqlens_q, k_block=0, kv_step=fmha_v2_sage.REUSE_KV_STEP, skip_factor=300.0,
-        skip_counts=today_skipped)
-    assert torch.equal(fresh.out, today)  # no reuse on entry: the same decisions, the same sums
-    assert int(fresh.skipped_tiles) == int(today_skipped) and int(fresh.reused_tiles) == 0
-    assert int(bits_set(fresh.tile_map).sum()) == int(fresh.skipped_tiles)
+    zeroed = torch.zeros_like(fresh.tile_map)
+    again = run_backend("TRTLLM_ATTN", qkv, dataclasses.replace(_plan(300.0, zeroed), map_zeroed=True))
+    plain, plain_skipped = today(fmha_v2_sage.FRESH_KV_STEP)
+    for result in (fresh, again):
+        assert torch.equal(result.out, plain)  # the map written on the side: the same decisions, the same sums
+        assert int(result.skipped_tiles) == int(plain_skipped) and int(result.reused_tiles) == 0
+        assert int(bits_set(result.tile_map).sum()) == int(result.skipped_tiles)
+    assert torch.equal(again.tile_map, fresh.tile_map) and again.tile_map is zeroed
     ref = run_backend("TORCH_REFERENCE", qkv, _plan(300.0))
     assert 0.1 < int(ref.skipped_tiles) / ref.total_tiles < 0.9
     # the reference emulates sm_90's fp8 sums: its decisions are the kernel's
     _assert_decides_as_reference(fresh, ref, qkv)
+    # the tile-map kernel from a zeroed map, one tile per step: today's 128-key kernel and its decisions
+    mapped_map = torch.zeros_like(fresh.tile_map)
+    mapped, mapped_counts = today(fmha_v2_sage.REUSE_KV_STEP, mapped_map)
+    step_128, step_128_skipped = today(fmha_v2_sage.REUSE_KV_STEP)
+    assert torch.equal(mapped, step_128) and int(mapped_counts[0]) == int(step_128_skipped)
+    assert int(mapped_counts[1]) == 0 and int(bits_set(mapped_map).sum()) == int(step_128_skipped)
 
 
 @pytest.mark.gpu

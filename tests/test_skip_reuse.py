@@ -225,6 +225,9 @@ def test_maps_are_reused_for_reuse_steps_each_pass_its_own_then_tested_afresh(pi
     steps = [spy[s * per_step:(s + 1) * per_step] for s in range(STEPS)]
     assert all(plan.reuse for plan, _, _ in spy)
     assert all(given is None for _, given, _ in steps[0])  # a run's first step decides from scratch
+    # a window's first step says its map holds no tile (FMHAv2 runs it on the Skip-Softmax kernel's steps)
+    assert [{plan.fresh_map for plan, _, _ in calls} for calls in steps] == [{step in (0, 3)} for step in range(STEPS)]
+    assert [{plan.map_zeroed for plan, _, _ in calls} for calls in steps] == [{step == 3} for step in range(STEPS)]
     for step in range(1, STEPS):
         for (_, given, _), (_, _, left_before) in zip(steps[step], steps[step - 1]):
             assert given[0] is left_before[0]  # the same call site and pass: the map it left the step before

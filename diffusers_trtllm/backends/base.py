@@ -137,10 +137,19 @@ class KernelPlan:
     #: call (skipped there without being computed), else a zeroed one (every tile tested)
     reuse: bool = False
     tile_map: torch.Tensor | None = None
+    #: ``tile_map`` is zeroed (a reuse window's first step): a backend may test every tile as Skip-Softmax does
+    #: without a map and only write it (:attr:`fresh_map`)
+    map_zeroed: bool = False
 
     @property
     def skips(self) -> bool:
         return self.skip_factor > 0.0
+
+    @property
+    def fresh_map(self) -> bool:
+        """Whether a reuse plan's map holds no tile: zeroed by the caller, or none given (:func:`tile_map_for`
+        makes a zeroed one)."""
+        return self.reuse and (self.map_zeroed or self.tile_map is None)
 
 
 @dataclass

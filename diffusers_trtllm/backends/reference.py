@@ -294,7 +294,7 @@ def _run(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     out = torch.empty_like(qkv.q)
     skipped = total = 0
     semantics = (sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile,
-                                plan.reuse) if plan.quant else None)
+                                plan.reuse, plan.fresh_map) if plan.quant else None)
     k_mean = v_scale = None
     if semantics is not None and semantics.batch_stats:
         k_mean, v_scale = batch_statistics(qkv.k.float(), qkv.v.float())

@@ -44,8 +44,9 @@ statistics, FlashAttention-4 from its own, trtllm-gen from its base-2 log-sum-ex
 log-sum-exp (torch SDPA gives none; FMHAv2 is as fast on self-attention); the Triton SAGE kernel writes it too.
 
 Skip-Softmax reuse (``KernelPlan.reuse``, tile maps kept across steps): both Hopper SAGE kernels read a map and skip
-its tiles without loading them, FMHAv2's at one 128-key tile per step (:func:`sage_semantics` with ``reuse``;
-:func:`reuse_unavailable_reason` says which plans run it).
+its tiles without loading them, FMHAv2's at one 128-key tile per step, a fresh map (``KernelPlan.fresh_map``) on
+its Skip-Softmax kernel's 256-key steps, which writes the map (:func:`sage_semantics` with ``reuse`` and
+``fresh_map``; :func:`reuse_unavailable_reason` says which plans run it).
 
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
 ``tile=(128, 128)`` predicts them), per 64 × 128 by the FMHAv2 SAGE kernel (both halves of a 256-key step against
@@ -188,18 +189,23 @@ def fmha_v2_sage_semantics(k_block: int, kv_step: int = FMHA_V2_KV_STEP,
 
 
 def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(1,), seqlens_kv=(1,), heads: int = 1,
-                   tile: tuple[int, int] = (128, 128), reuse: bool = False) -> SageSemantics:
+                   tile: tuple[int, int] = (128, 128), reuse: bool = False,
+                   fresh_map: bool = False) -> SageSemantics:
     """What the SAGE kernel that ``TRTLLM_ATTN`` runs for ``quant`` on ``device`` computes for a batch of these
     lengths and query ``heads`` (block sizes resolved, P's fp8 scale, per-sequence or batch-wide statistics, the
     Triton kernel's sample of query tiles); ``reuse``: for a plan reusing tile maps (FMHAv2's tile-map kernel
-    steps through the keys one tile at a time). On a device without TRT-LLM kernels: this package's Triton kernel's
+    steps through the keys one tile at a time), unless ``fresh_map`` (``KernelPlan.fresh_map``: FMHAv2 runs a
+    zeroed map on its Skip-Softmax kernel's steps, which writes the map). On a device without TRT-LLM kernels: this package's Triton kernel's
     semantics, with unset blocks as :data:`PORTABLE_BLOCKS`, deciding skips per ``tile``."""
     arch = gpu_arch(device)
     more_queries = more_queries_than_keys(seqlens_q, seqlens_kv)
     unset = quant.q_block_size is None or quant.k_block_size is None
     if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, more_queries) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
-        semantics = fmha_v2_sage_semantics(k_block, fmha_v2_sage.REUSE_KV_STEP if reuse else FMHA_V2_KV_STEP)
+        kv_step = FMHA_V2_KV_STEP
+        if reuse:
+            kv_step = fmha_v2_sage.FRESH_KV_STEP if fresh_map else fmha_v2_sage.REUSE_KV_STEP
+        semantics = fmha_v2_sage_semantics(k_block, kv_step)
         kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
     else:
         q_block = PORTABLE_BLOCKS[0] if quant.q_block_size is None else quant.q_block_size
@@ -344,7 +350,7 @@ def unavailable_reason(plan: KernelPlan, qkv: VarlenQKV) -> str | None:
 
 def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     semantics = sage_semantics(plan.quant, qkv.q.device, qkv.seqlens_q, qkv.seqlens_kv, qkv.q.shape[1], plan.tile,
-                               plan.reuse)
+                               plan.reuse, plan.fresh_map)
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
         # with reuse the kernel always counts: the result reports the tiles skipped by the test and by reuse
         tile_map = tile_map_for(plan, qkv, fmha_v2_sage.SKIP_TILE)

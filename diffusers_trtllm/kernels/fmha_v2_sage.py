@@ -25,7 +25,8 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   costs its warpgroup nothing whatever its neighbour does: the map's tiles are skipped untested, without their
   K/V loads where both warpgroups of a CTA reuse them, the others tested as above, and the tiles the test skipped
   are added to the map; at ``skip_factor`` 0 a second tile-map kernel without the test computes the others and
-  leaves the map as it was.
+  leaves the map as it was. A zeroed map (a reuse window's first step: every tile tested) runs at 256-key steps
+  instead, on the Skip-Softmax kernel that also writes the tiles it skips into the map (:data:`FRESH_KV_STEP`).
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
 every sequence with as many queries as keys, and V already transposed (``v_layout.patch``). A sequence with fewer
@@ -71,14 +72,21 @@ BINDING_SOURCE = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_sage.cu"
 @dataclasses.dataclass(frozen=True)
 class SageKernel:
     """One generated kernel: its K scale block, keys per KV step, whether it has the Skip-Softmax code path,
-    whether it writes each row's softmax statistics (FMHAv2's ``RETURN_SOFTMAX_STATS``: the log-sum-exp), and
-    whether it reuses a tile map (``tile_map_reuse.patch``: compiled with ``DIFFUSERS_TRTLLM_TILE_MAP``)."""
+    whether it writes each row's softmax statistics (FMHAv2's ``RETURN_SOFTMAX_STATS``: the log-sum-exp),
+    whether it reuses a tile map (``tile_map_reuse.patch``: compiled with ``DIFFUSERS_TRTLLM_TILE_MAP``), and
+    whether it writes the tiles it skips into a zeroed one (compiled with ``DIFFUSERS_TRTLLM_TILE_MAP_OUT``)."""
 
     k_block: int
     kv_step: int
     skip_softmax: bool
     lse: bool = False
     reuse: bool = False
+    map_out: bool = False
+
+    @property
+    def tile_map(self) -> bool:
+        """Whether the kernel takes a tile map (reads it, or writes a zeroed one)."""
+        return self.reuse or self.map_out
 
 
 # KV step of the kernels that write softmax statistics: the one TRTLLM_ATTN runs (128-key steps serve benchmarks)
@@ -88,6 +96,9 @@ LSE_KV_STEP = 256
 # The tile-map kernel: K block 0 (the route's default) at one tile per KV step. Its 256-key twin was slower at
 # Wan's size and stalled on drifted maps (benchmarks/RESULTS.md, 2026-12-05), so it is not built.
 REUSE_K_BLOCK, REUSE_KV_STEP = 0, 128
+# A zeroed map (every tile tested, the map written) runs on the Skip-Softmax kernel of this KV step, which also
+# writes the map: the 256-key kernel was faster than the tile-map kernel from a zeroed map (benchmarks/RESULTS.md)
+FRESH_KV_STEP = 256
 
 
 def sage_kernels() -> tuple[SageKernel, ...]:
@@ -95,11 +106,13 @@ def sage_kernels() -> tuple[SageKernel, ...]:
     128 at KV step 256 only: it exists for the block-size sweep), at :data:`LSE_KV_STEP` each of those again
     writing the softmax statistics (a separate kernel: the others stay as they were), and the kernels at
     :data:`REUSE_K_BLOCK` and :data:`REUSE_KV_STEP`, with and without Skip-Softmax, again reusing a tile map (the
-    one without runs a map at ``skip_factor`` 0: it skips the map's tiles and tests nothing)."""
+    one without runs a map at ``skip_factor`` 0: it skips the map's tiles and tests nothing), and the Skip-Softmax
+    kernel at :data:`REUSE_K_BLOCK` and :data:`FRESH_KV_STEP` again writing the tiles it skips into a zeroed map."""
     plain = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
                   for skip in (False, True) if not (k_block == 128 and kv_step != 256))
     return (plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
-            + tuple(SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, skip, reuse=True) for skip in (True, False)))
+            + tuple(SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, skip, reuse=True) for skip in (True, False))
+            + (SageKernel(REUSE_K_BLOCK, FRESH_KV_STEP, True, map_out=True),))
 
 
 SKIP_TILE = (Q_BLOCK, 128)  # (query rows, keys) per skip decision: one warpgroup's rows, half a 256-key step
@@ -209,20 +222,21 @@ def patched_headers(patch_files: tuple[pathlib.Path, ...] | None = None) -> dict
 
 
 # A tile-map kernel's names (file, launcher, kernel): FlashInfer's for its spec with this after "skipSoftmax"
-# (the kernel with the test) or before "sage" (the one without)
-TILE_MAP_NAME = "_tileMap"
+# (the kernel with the test) or before "sage" (the one without); the map-writing kernel's with the second
+TILE_MAP_NAME, MAP_OUT_NAME = "_tileMap", "_tileMapOut"
 
 
 def kernel_names(kernel: SageKernel) -> tuple[str, str, str]:
     """(source file, launcher, kernel) names of ``kernel``: FlashInfer's for its spec, :data:`TILE_MAP_NAME`
-    added to a tile-map kernel's (its spec is the plain kernel's, with or without Skip-Softmax)."""
+    added to a tile-map kernel's (its spec is the plain kernel's, with or without Skip-Softmax) and
+    :data:`MAP_OUT_NAME` to the map-writing kernel's."""
     from flashinfer.jit.attention.fmha_v2.utils import encode_name
 
     names = encode_name(kernel_spec(kernel))
-    if not kernel.reuse:
+    if not kernel.tile_map:
         return names
-    mark, marked = ("skipSoftmax", "skipSoftmax" + TILE_MAP_NAME) if kernel.skip_softmax else (
-        "_sage_", TILE_MAP_NAME + "_sage_")
+    added = MAP_OUT_NAME if kernel.map_out else TILE_MAP_NAME
+    mark, marked = ("skipSoftmax", "skipSoftmax" + added) if kernel.skip_softmax else ("_sage_", added + "_sage_")
     if any(name.count(mark) != 1 for name in names):
         raise RuntimeError(f"FlashInfer's FMHAv2 kernel names changed: expected {mark!r} once in {names}")
     return tuple(name.replace(mark, marked) for name in names)
@@ -230,7 +244,8 @@ def kernel_names(kernel: SageKernel) -> tuple[str, str, str]:
 
 def kernel_sources() -> dict[str, str]:
     """File name -> CUDA source of every generated kernel (a tile-map kernel's defines
-    ``DIFFUSERS_TRTLLM_TILE_MAP`` ahead of FMHAv2's headers), ``sage_kernels.h`` (the launchers' declarations
+    ``DIFFUSERS_TRTLLM_TILE_MAP`` ahead of FMHAv2's headers, the map-writing kernel's
+    ``DIFFUSERS_TRTLLM_TILE_MAP_OUT``), ``sage_kernels.h`` (the launchers' declarations
     and ``launch_sage_kernel``, which dispatches on q block, k block, KV step, skip-softmax, softmax statistics
     and tile map) and the patched FMHAv2 headers (:func:`patched_headers`)."""
     from flashinfer.jit.attention.fmha_v2.fmha_library import get_kernel_code
@@ -239,12 +254,13 @@ def kernel_sources() -> dict[str, str]:
     for kernel in sage_kernels():
         file_name, launcher, kernel_name = kernel_names(kernel)
         code = padding_mask_only(get_kernel_code(kernel_spec(kernel), kernel_name, launcher))
-        sources[file_name] = ("#define DIFFUSERS_TRTLLM_TILE_MAP 1  // tile_map_reuse.patch\n" + code
-                              if kernel.reuse else code)
+        define = ("DIFFUSERS_TRTLLM_TILE_MAP_OUT" if kernel.map_out else "DIFFUSERS_TRTLLM_TILE_MAP"
+                  if kernel.reuse else None)
+        sources[file_name] = f"#define {define} 1  // tile_map_reuse.patch\n" + code if define else code
         declarations.append(f"void {launcher}(Params& params, const Launch_params& launch, cudaStream_t stream);")
         branches.append(f"  if (q_block == {Q_BLOCK} && k_block == {kernel.k_block} && kv_step == {kernel.kv_step} "
                         f"&& skip == {str(kernel.skip_softmax).lower()} && lse == {str(kernel.lse).lower()} "
-                        f"&& tile_map == {str(kernel.reuse).lower()}) {{\n"
+                        f"&& tile_map == {str(kernel.tile_map).lower()}) {{\n"
                         f"    {launcher}(params, launch, stream);\n    return true;\n  }}")
     sources["sage_kernels.h"] = "\n".join([
         "// Generated by diffusers_trtllm/kernels/fmha_v2_sage.py.",
@@ -404,7 +420,8 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
     ``skip_counts`` (an int32 ``[1]`` view, :func:`fmha_v2_sage_attention`) receives the tiles its test skipped;
     ``softmax_stats`` (``[T, Hq, 2]`` float32, at :data:`LSE_KV_STEP`) each row's statistics
     (:func:`~.flashinfer_calls.fmha_v2_stats_lse`); ``tile_map`` (:func:`fmha_v2_sage_attention`, checked there)
-    runs the tile-map kernel, which reads a copy of it taken here and updates it in place."""
+    runs the tile-map kernel, which reads a copy of it taken here and updates it in place, or at
+    :data:`FRESH_KV_STEP` the map-writing kernel, which reads none of it."""
     device = packed.qk.device
     heads_kv = packed.qk.shape[1] - heads_q
     out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -414,8 +431,10 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
     if softmax_stats is None:
         softmax_stats = torch.empty(0, dtype=torch.float32, device=device)  # empty: the kernel without statistics
     # The kernel decides from the map as it was on entry while it ORs skipped tiles into the map: a warpgroup
-    # running ahead must not change the words its partner and the DMA warp still read. Empty: no map.
-    tile_map_entry = torch.empty(0, dtype=torch.int32, device=device) if tile_map is None else tile_map.clone()
+    # running ahead must not change the words its partner and the DMA warp still read. Empty: no map, or the
+    # map-writing kernel's, which reads none.
+    reads_map = tile_map is not None and kv_step != FRESH_KV_STEP
+    tile_map_entry = tile_map.clone() if reads_map else torch.empty(0, dtype=torch.int32, device=device)
     tile_map = tile_map_entry if tile_map is None else tile_map
     # the kernel reads V's scales per query head
     v_scale = packed.v_scale.repeat_interleave(heads_q // heads_kv, dim=1) if heads_q != heads_kv else packed.v_scale
@@ -457,12 +476,15 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     tests the others as without a map, and sets the bits of the tiles its test skipped (updated in place; zero
     the map for a step that tests every tile). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step``
     :data:`REUSE_KV_STEP`, no ``return_lse``; ``skip_factor`` 0 skips
-    the map's tiles only. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused: the bits
-    set on entry). GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels (see
-    :func:`load_module`).
+    the map's tiles only. At ``kv_step`` :data:`FRESH_KV_STEP` (``skip_factor`` > 0) the map must be zeroed (a
+    reuse window's first step): the Skip-Softmax kernel of that step tests every tile, reads none of the map and
+    sets the bits of the tiles it skipped, each 128-key half of a step decided against the running max at the
+    step's start as without a map. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused:
+    the bits set on entry, 0 for a zeroed map). GPUs: sm_90 (H100/H200); the first call on a machine compiles the
+    kernels (see :func:`load_module`).
     """
     if tile_map is not None:
-        _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse)
+        _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse, skip_factor)
     if not any(k.k_block == k_block and k.kv_step == kv_step and k.lse == return_lse for k in sage_kernels()):
         raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r}{' and return_lse' if return_lse else ''} "
                          "has no compiled FMHAv2 SAGE kernel; compiled (k_block, kv_step, return_lse): "
@@ -486,7 +508,7 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block,
                                   cu_seqlens_q if padded else None, max(seqlens_q) if padded else None)
     stats = torch.empty(k.shape[0], q.shape[1], 2, dtype=torch.float32, device=q.device) if return_lse else None
-    if skip_counts is not None and tile_map is not None:
+    if skip_counts is not None and tile_map is not None and kv_step != FRESH_KV_STEP:
         skip_counts[1:].add_(bits_set(tile_map).sum().to(torch.int32))  # reused: the bits set on entry
     out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step,
                                 None if skip_counts is None else skip_counts[:1], stats, tile_map)
@@ -514,7 +536,8 @@ def tile_map_shape(seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], head
 
 
 def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int, ...],
-                    seqlens_q: tuple[int, ...] | None, k_block: int, kv_step: int, return_lse: bool) -> None:
+                    seqlens_q: tuple[int, ...] | None, k_block: int, kv_step: int, return_lse: bool,
+                    skip_factor: float) -> None:
     """Raise ValueError unless ``tile_map`` fits :func:`fmha_v2_sage_attention`'s call (its docstring)."""
     shape = tile_map_shape(tuple(seqlens if seqlens_q is None else seqlens_q), tuple(seqlens), q.shape[1])
     if tile_map.dtype != torch.int32 or tuple(tile_map.shape) != shape or not tile_map.is_contiguous():
@@ -526,9 +549,11 @@ def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int,
     if tile_map.numel() >= 2 ** 31:
         raise ValueError(f"tile_map has {tile_map.numel()} words; the kernel addresses its rows with 32-bit offsets "
                          f"(fewer than 2^31 words): split the batch or its heads into several calls")
-    if k_block != REUSE_K_BLOCK or kv_step != REUSE_KV_STEP or return_lse:
+    fresh = kv_step == FRESH_KV_STEP and skip_factor > 0
+    if k_block != REUSE_K_BLOCK or not (kv_step == REUSE_KV_STEP or fresh) or return_lse:
         raise ValueError(f"a tile map runs on the kernel with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} "
-                         f"and no return_lse; got k_block={k_block}, kv_step={kv_step}, "
+                         f"(or kv_step={FRESH_KV_STEP} with skip_factor > 0: a zeroed map written) and no "
+                         f"return_lse; got k_block={k_block}, kv_step={kv_step}, skip_factor={skip_factor}, "
                          f"return_lse={return_lse}")
 
 

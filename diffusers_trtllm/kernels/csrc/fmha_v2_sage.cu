@@ -43,9 +43,10 @@ uint32_t float_bits(float value) {
 //               Softmax_saver_tma), written by the kernels built with softmax statistics; empty: the kernels
 //               without them run
 // tile_map_entry, tile_map: int32 [batch, heads_q, query tiles, ceil(ceil(max_seqlen / 128) / 32)], contiguous,
-//               Skip-Softmax reuse (tile_map_reuse.patch): the tile-map kernel skips the tiles set in
-//               tile_map_entry (the caller's copy of tile_map) untested and ORs those its test skips into
-//               tile_map; both empty: the kernels without a tile map run
+//               Skip-Softmax reuse (tile_map_reuse.patch): the tile-map kernel (kv_step 128) skips the tiles set
+//               in tile_map_entry (the caller's copy of tile_map) untested and ORs those its test skips into
+//               tile_map; the map-writing kernel (kv_step 256, Skip-Softmax) ORs the tiles it skips into a
+//               zeroed tile_map and reads no map (tile_map_entry empty); both empty: the kernels without a map
 void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_starts, ffi::TensorView out,
                     ffi::TensorView q_scale, ffi::TensorView k_scale, ffi::TensorView v_scale,
                     ffi::TensorView cu_seqlens, ffi::TensorView tile_counter, ffi::TensorView skip_counts,
@@ -77,16 +78,24 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   const int64_t total_tokens = qk.shape()[0];
   const int64_t batch = cu_seqlens.shape()[0] - 1;
   const bool reuse = tile_map.numel() > 0;
+  const bool writes_map_only = reuse && kv_step == 256;  // the map-writing kernel: no entry map
   if (reuse) {
     const int64_t words = ((max_seqlen + 127) / 128 + 31) / 32;
     for (const ffi::TensorView* map : {&tile_map_entry, &tile_map}) {
+      if (writes_map_only && map == &tile_map_entry) {
+        TVM_FFI_ICHECK_EQ(map->numel(), 0) << "the map-writing kernel (kv_step 256) reads no tile_map_entry";
+        continue;
+      }
       TVM_FFI_ICHECK(map->dtype() == dl_int32 && map->ndim() == 4 && map->shape()[0] == batch &&
                      map->shape()[1] == heads_q && map->shape()[2] <= (max_seqlen + 63) / 64 &&
                      map->shape()[3] == words && map->IsContiguous())
           << "tile maps must be contiguous int32 [batch, heads_q, <= ceil(max_seqlen / 64), " << words << "]";
       TVM_FFI_ICHECK(map->shape()[2] == tile_map.shape()[2]) << "tile_map_entry and tile_map differ in shape";
     }
-    TVM_FFI_ICHECK(q_block == 64 && kv_step == 128) << "tile maps need 64-query steps of 128 keys (one tile)";
+    const bool skips = skip_softmax_threshold_scale_factor > 0.0;
+    TVM_FFI_ICHECK(q_block == 64 && (kv_step == 128 || (writes_map_only && skips)))
+        << "tile maps need 64-query steps of 128 keys (one tile), or of 256 keys with Skip-Softmax (the map "
+           "written only)";
   }
   TVM_FFI_ICHECK(v_scale.ndim() == 3 && v_scale.shape()[0] == batch && v_scale.shape()[1] == heads_q &&
                  v_scale.shape()[2] == head_dim && v_scale.IsContiguous())
@@ -121,7 +130,7 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
     params.skip_softmax_skipped_blocks = static_cast<uint32_t*>(skip_counts.data_ptr());
   }
   if (reuse) {
-    params.tile_map_entry = static_cast<const uint32_t*>(tile_map_entry.data_ptr());
+    params.tile_map_entry = writes_map_only ? nullptr : static_cast<const uint32_t*>(tile_map_entry.data_ptr());
     params.tile_map = static_cast<uint32_t*>(tile_map.data_ptr());
     params.tile_map_q_tiles = static_cast<int>(tile_map.shape()[2]);
     params.tile_map_words = static_cast<int>(tile_map.shape()[3]);
