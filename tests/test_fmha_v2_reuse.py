@@ -214,6 +214,64 @@ def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
     assert walked == expected
 
 
+HALVES_HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+namespace bert {
+struct Fused_multihead_attention_params_v2 {
+  uint32_t* tile_map;
+};
+}  // namespace bert
+static void atomicOr(uint32_t* word, uint32_t bits) { *word |= bits; }
+struct Compute {
+RECORD
+};
+// stdout: per (step, vote, keys left) the map's words after recording into a zeroed map of 4 words at row 4
+int main() {
+  const int keys[] = {50, 128, 129, 300};
+  for (int step = 0; step < 40; ++step)
+    for (int vote = 0; vote < 4; ++vote)
+      for (int k : keys) {
+        uint32_t map[8] = {0};
+        bert::Fused_multihead_attention_params_v2 params{map};
+        Compute::record_skipped_halves(params, 4, vote, step, k);
+        Compute::record_skipped_halves(params, -1, vote, step, k);  // a query tile without a row writes nothing
+        printf("%u %u %u %u %u %u %u %u\n", map[0], map[1], map[2], map[3], map[4], map[5], map[6], map[7]);
+      }
+  return 0;
+}
+"""
+
+
+def test_the_map_writing_kernel_sets_the_bits_of_the_halves_its_vote_skipped(tmp_path):
+    """record_skipped_halves from the patched compute.h, compiled for the host: a 256-key step's two 128-key tiles
+    are bits 2·step and 2·step + 1 of the query tile's row; a second half past the keys is no tile."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("needs a host C++ compiler (g++) to build the map's record")
+    compute = fmha_v2_sage.patched_headers()["fmha/warpspec/compute.h"]
+    begin = compute.index("  static inline __device__ void record_skipped_halves(")
+    record = compute[begin:compute.index("\n  }\n", begin) + len("\n  }\n")].replace("__device__ ", "")
+    (tmp_path / "halves.cpp").write_text(HALVES_HARNESS.replace("RECORD", record))
+    subprocess.run([compiler, "-std=c++17", "-O1", "-o", str(tmp_path / "halves"), str(tmp_path / "halves.cpp")],
+                   check=True)
+    got = subprocess.run([str(tmp_path / "halves")], capture_output=True, text=True, check=True).stdout.split("\n")
+    expected = []
+    for step in range(40):
+        for vote in range(4):
+            for keys in (50, 128, 129, 300):
+                words = [0] * 8
+                for half in (0, 1):
+                    if vote >> half & 1 and (half == 0 or keys > 128):
+                        tile = 2 * step + half
+                        words[4 + tile // 32] |= 1 << (tile % 32)
+                expected.append(" ".join(map(str, words)))
+    assert got[:-1] == expected
+
+
 def _call(q, seqlens=(300,), **kwargs):
     cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
     return fmha_v2_sage.fmha_v2_sage_attention(q, q, q, cu, seqlens, SCALE, k_block=0, skip_factor=1.0, **kwargs)

@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "239be10dd6086817cfe54dc2dcf573617c54cdd9b1ec21f1b67ed4a1105f89fa"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "5529eb1fd585a16ecaabfd02496c03e1ece586700d387bcd95ae57d7c9d9b326"),
-    "0.7.4": "189887bab8e117a7635b6eedb6e7c38cbcf85ddcc91563c0c1a14581a0a38ba2",
+                    "b1239fe211fbb60d5ee750e16446dc33c3ac560965bacb3c62ec67c0e71ccfcc"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "2cc304fbcd515ed2925e3bcc68d6ed1a7129cfc293a53c849c1660d732acc099"),
+    "0.7.4": "bde42d6fbd00513b962a9a8094869013b4f8f0505aededbc7f714e6f7fe7f342",
 }
 
 
