@@ -95,15 +95,17 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
             ) in compute
     # the tile-map kernels call the softmax's max-and-vote and its exps apart (kept path in one block); the
     # preprocessor leaves FlashInfer's kernels the whole function
-    assert compute.count("#if DIFFUSERS_TRTLLM_TILE_MAP\n    // diffusers_trtllm: the vote first, the exps on the kept path "
-                         "(Softmax::compute_and_update_scale)\n    if (!softmax.compute_max_and_vote<IS_FIRST_COL>(p_max, "
-                         "skip_softmax_vote)) {\n#else\n    if (!softmax.compute_and_update_scale<IS_FIRST_COL>(") == 1
+    assert compute.count(
+        "#if DIFFUSERS_TRTLLM_TILE_MAP\n    // diffusers_trtllm: the vote first, the exps on the kept path "
+        "(Softmax::compute_and_update_scale)\n    if (!softmax.compute_max_and_vote<IS_FIRST_COL>(p_max, "
+        "skip_softmax_vote)) {\n#else\n    if (!softmax.compute_and_update_scale<IS_FIRST_COL>(") == 1
     assert "#if DIFFUSERS_TRTLLM_TILE_MAP\n    softmax.compute_exps_and_update<IS_FIRST_COL>(p_max, p_sum);\n#endif" \
         in compute
-    split = epilogue.split("inline __device__ bool compute_max_and_vote(", 1)[1].split("// Update flash attention", 1)[0]
-    assert split.index("#else\n  inline __device__ bool compute_and_update_scale(") < split.index(
-        "#if DIFFUSERS_TRTLLM_TILE_MAP\n    return true;\n  }\n") < split.index(
-        "inline __device__ void compute_exps_and_update(") < split.index("#if !DIFFUSERS_TRTLLM_TILE_MAP\n    return true;")
+    split = epilogue.split("inline __device__ bool compute_max_and_vote(", 1)[1].split("// Update flash", 1)[0]
+    order = ["#else\n  inline __device__ bool compute_and_update_scale(",
+             "#if DIFFUSERS_TRTLLM_TILE_MAP\n    return true;\n  }\n", "inline __device__ void compute_exps_and_update(",
+             "#if !DIFFUSERS_TRTLLM_TILE_MAP\n    return true;"]
+    assert [split.index(text) for text in order] == sorted(split.index(text) for text in order)
     # the tile-map kernels vote by one barrier's AND, so the shared slot's reset and the barrier that orders it
     # before the votes (before Q·Kᵀ) are FlashInfer's kernels' only
     assert epilogue.count("bar.red.and.pred p, %2, 128, p;") == 1
@@ -383,8 +385,8 @@ def test_the_hopper_sage_route_runs_a_reuse_plan_with_its_map_and_reports_both_c
     seen = _fake_kernel(monkeypatch, skipped=7)
     qkv = _qkv((100, 150), (164, 300), 4)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 4)
-    tile_map = {"plan-map": torch.full(shape, 3, dtype=torch.int32), "zeroed-map": torch.zeros(shape, dtype=torch.int32),
-                "no-map": None}[given]
+    tile_map = {"plan-map": torch.full(shape, 3, dtype=torch.int32),
+                "zeroed-map": torch.zeros(shape, dtype=torch.int32), "no-map": None}[given]
     plan = KernelPlan("TRTLLM_ATTN", SCALE, quant=FP8, skip_factor=7.0, reuse=True, tile_map=tile_map,
                       map_zeroed=given == "zeroed-map")
     assert trtllm.reuse_unavailable_reason(plan, qkv) is None and plan.fresh_map == (given != "plan-map")

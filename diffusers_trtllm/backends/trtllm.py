@@ -195,8 +195,9 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     lengths and query ``heads`` (block sizes resolved, P's fp8 scale, per-sequence or batch-wide statistics, the
     Triton kernel's sample of query tiles); ``reuse``: for a plan reusing tile maps (FMHAv2's tile-map kernel
     steps through the keys one tile at a time), unless ``fresh_map`` (``KernelPlan.fresh_map``: FMHAv2 runs a
-    zeroed map on its Skip-Softmax kernel's steps, which writes the map). On a device without TRT-LLM kernels: this package's Triton kernel's
-    semantics, with unset blocks as :data:`PORTABLE_BLOCKS`, deciding skips per ``tile``."""
+    zeroed map on its Skip-Softmax kernel's steps, which writes the map). On a device without TRT-LLM kernels:
+    this package's Triton kernel's semantics, with unset blocks as :data:`PORTABLE_BLOCKS`, deciding skips per
+    ``tile``."""
     arch = gpu_arch(device)
     more_queries = more_queries_than_keys(seqlens_q, seqlens_kv)
     unset = quant.q_block_size is None or quant.k_block_size is None
