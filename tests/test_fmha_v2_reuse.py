@@ -103,8 +103,8 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
         in compute
     split = epilogue.split("inline __device__ bool compute_max_and_vote(", 1)[1].split("// Update flash", 1)[0]
     order = ["#else\n  inline __device__ bool compute_and_update_scale(",
-             "#if DIFFUSERS_TRTLLM_TILE_MAP\n    return true;\n  }\n", "inline __device__ void compute_exps_and_update(",
-             "#if !DIFFUSERS_TRTLLM_TILE_MAP\n    return true;"]
+             "#if DIFFUSERS_TRTLLM_TILE_MAP\n    return true;\n  }\n",
+             "inline __device__ void compute_exps_and_update(", "#if !DIFFUSERS_TRTLLM_TILE_MAP\n    return true;"]
     assert [split.index(text) for text in order] == sorted(split.index(text) for text in order)
     # the tile-map kernels vote by one barrier's AND, so the shared slot's reset and the barrier that orders it
     # before the votes (before Q·Kᵀ) are FlashInfer's kernels' only
