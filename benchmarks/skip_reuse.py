@@ -23,6 +23,10 @@ step only and walks past the rest, so its time less the quantization is what wal
 ``skip_softmax.reuse_test: false`` does: the map's tiles skipped, the others computed with no test (FMHAv2: the
 tile-map kernel without Skip-Softmax's test).
 
+"sage+reuse window" and "sage+reuse untested window" are no measurement of their own: the mean step of a reuse
+window of ``--window`` reusing steps after its first (``skip_softmax.reuse_steps``), from the first-step row and
+the reuse (untested) row, what a pipeline's denoising steps average.
+
 Prints a markdown table (with each kernel's quantization time alone, part of its rows' times), each row as its
 case finishes (a line names each case as it starts, so a stalled kernel shows where): ms, speedup vs cuDNN, tiles
 skipped (test / reuse) and TFLOP/s of the tiles computed (Q·Kᵀ on the tiles not skipped by reuse, P·V on the
@@ -41,7 +45,7 @@ import sys
 A, B = 2822.62, 4.388  # NVIDIA's Wan 2.2 fit: factor = a · exp(b · s)
 HEAD_DIM = 128
 CASES = ("cudnn", "sage", "sage+reuse of every tile", "sage+skip", "sage+reuse first step", "sage+reuse",
-         "sage+reuse untested", "sage+reuse drift")
+         "sage+reuse untested", "sage+reuse window", "sage+reuse untested window", "sage+reuse drift")
 KERNELS = ("fmha_v2", "triton")  # the SAGE fp8 kernels with tile maps, each timed with its own quantization
 
 
@@ -55,6 +59,8 @@ def parse(argv=None) -> argparse.Namespace:
                         help="fraction of the map's set bits moved to unset ones per step of the drift case")
     parser.add_argument("--steps", type=int, default=3, help="steps of the drift case (>= 1)")
     parser.add_argument("--iters", type=int, default=3, help="timed calls per case and step")
+    parser.add_argument("--window", type=int, default=2,
+                        help="reusing steps after a window's first for the window rows (skip_softmax.reuse_steps)")
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
                         help="the FMHAv2 SAGE kernels (reuse: tile_map_reuse.patch) and/or the Triton SAGE kernel")
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print the plan, run nothing")
@@ -63,8 +69,9 @@ def parse(argv=None) -> argparse.Namespace:
         parser.error(f"--seq must be >= 256 and --heads >= 1; got {args.seq}, {args.heads}")
     if not all(0.0 < s < 1.0 for s in args.sparsity):
         parser.error(f"--sparsity values must lie in (0, 1); got {args.sparsity}")
-    if not 0.0 <= args.drift <= 1.0 or args.steps < 1 or args.iters < 1:
-        parser.error(f"--drift in [0, 1], --steps >= 1, --iters >= 1; got {args.drift}, {args.steps}, {args.iters}")
+    if not 0.0 <= args.drift <= 1.0 or args.steps < 1 or args.iters < 1 or args.window < 1:
+        parser.error(f"--drift in [0, 1], --steps >= 1, --iters >= 1, --window >= 1; got {args.drift}, {args.steps}, "
+                     f"{args.iters}, {args.window}")
     if math.log(args.seq / A) <= 0:
         parser.error(f"--seq {args.seq} is below the fit's a = {A}: the data model needs S > a")
     return args
@@ -119,6 +126,12 @@ def drift_map(tile_map, kv_tiles, drift, gen, movable=None):
     return pack_tile_map(tiles.view(*tile_map.shape[:-1], kv_tiles), tile_map.shape[-1])
 
 
+def window_mean(first: tuple, reusing: tuple, steps: int) -> tuple:
+    """The mean step (ms, tiles skipped by test, by reuse, tiles of GEMM work) of a reuse window: its first step,
+    then ``steps`` reusing steps, each tuple as a row measured them."""
+    return tuple((a + steps * b) / (steps + 1) for a, b in zip(first, reusing))
+
+
 def timed(fn, iters):
     import torch
 
@@ -147,7 +160,8 @@ def main(argv=None) -> None:
     total = tiles(args.seq, args.heads)
     print(f"skip_reuse: {args.seq} tokens × {args.heads} heads × {HEAD_DIM}, {total} tiles of 64 × 128; sparsity "
           f"{args.sparsity} (factors {[round(A * math.exp(B * s)) for s in args.sparsity]}), drift {args.drift} per "
-          f"step, {args.steps} steps, {args.iters} timed calls; kernels {args.kernels}, cases {list(CASES)}")
+          f"step, {args.steps} steps, {args.iters} timed calls, windows of 1 + {args.window} steps; kernels "
+          f"{args.kernels}, cases {list(CASES)}")
     if args.dry_run:
         return
     import torch
@@ -239,16 +253,23 @@ def main(argv=None) -> None:
             skipped = int(counts[-1][0])
             row(f"{kernel} sage+skip", s, ms, skipped, 0, total + (total - skipped))
             # the previous step on the same data: a zeroed map tests every tile and leaves the ones it skipped
+            measured = {}
             starting(f"{kernel} sage+reuse first step", s)
             ms, test, reused, entry = reuse(kernel, factor, torch.zeros(shape, dtype=torch.int32, device="cuda"),
                                             fresh=True)
-            row(f"{kernel} sage+reuse first step", s, ms, test, reused, 2 * total - 2 * reused - test)
+            measured["first step"] = ms, test, reused, 2 * total - 2 * reused - test
+            row(f"{kernel} sage+reuse first step", s, *measured["first step"])
             starting(f"{kernel} sage+reuse", s)
             ms, test, reused, entries[kernel, s] = reuse(kernel, factor, entry)
-            row(f"{kernel} sage+reuse", s, ms, test, reused, 2 * total - 2 * reused - test)
+            measured[""] = ms, test, reused, 2 * total - 2 * reused - test
+            row(f"{kernel} sage+reuse", s, *measured[""])
             starting(f"{kernel} sage+reuse untested", s)
             ms, test, reused, _ = reuse(kernel, 0.0, entry)
-            row(f"{kernel} sage+reuse untested", s, ms, test, reused, 2 * total - 2 * reused - test)
+            measured[" untested"] = ms, test, reused, 2 * total - 2 * reused - test
+            row(f"{kernel} sage+reuse untested", s, *measured[" untested"])
+            for mode in ("", " untested"):
+                row(f"{kernel} sage+reuse{mode} window (first + {args.window})", s,
+                    *window_mean(measured["first step"], measured[mode], args.window))
     # the drift rows last: a kernel stalling on a drifted map (as a 256-key FMHAv2 one did: RESULTS.md) shows there
     for (kernel, s), entry in entries.items():
         factor, drifted = A * math.exp(B * s), []

@@ -430,6 +430,9 @@ def test_the_benchmark_checks_its_arguments_without_a_gpu():
     with pytest.raises(SystemExit):
         bench.parse(["--sparsity", "1.5"])
     assert bench.tiles(75_600, 40) == 40 * 1182 * 591
+    # a reuse window's mean step: its first step and the reusing ones, each field weighted by its steps
+    first, reusing = (104.6, 30.0, 0.0, 90.0), (68.4, 3.0, 60.0, 45.0)
+    assert bench.window_mean(first, reusing, 2) == pytest.approx((80.4666, 12.0, 40.0, 60.0), rel=1e-4)
     assert abs(bench.zero_fraction(75_600) - 0.25) < 0.01  # DESIGN.md §7: a quarter of the tiles at 0
 
 
