@@ -259,6 +259,9 @@ def test_semantics_by_gpu(monkeypatch):
                             fp8_accumulator_bits=14, skip_tile=(64, 128), q_padded_to_kv=True)
     assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20)) == fmha_v2
     assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (20, 20)) == fmha_v2  # fewer queries: zero-padded
+    # Skip-Softmax reuse: a reusing step one tile per KV step; a fresh map's step the Skip-Softmax kernel's
+    assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20), reuse=True).kv_step == 128
+    assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20), reuse=True, fresh_map=True) == fmha_v2
     # more queries than keys, the Triton kernel: skip decisions per its dense launch's tile, in the heads where its
     # sample finds they pay;
     # the sample: every other query tile of a short sequence, and at Wan's shape (75,600 tokens, 40 heads, 1,182
