@@ -114,6 +114,21 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     assert compute.count("#if !DIFFUSERS_TRTLLM_TILE_MAP\n    if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX) {") == 2
 
 
+def _built_on_host(tmp_path, name, source, what):
+    """``source`` compiled for the host with g++ (C++17) as the program ``tmp_path / name``; skips the test where
+    no host C++ compiler is (``what``: what it builds, for the reason)."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip(f"needs a host C++ compiler (g++) to build {what}")
+    (tmp_path / f"{name}.cpp").write_text(source)
+    subprocess.run([compiler, "-std=c++17", "-O1", "-o", str(tmp_path / name), str(tmp_path / f"{name}.cpp")],
+                   check=True)
+    return tmp_path / name
+
+
 CURSOR_HARNESS = r"""
 #include <algorithm>
 #include <cstdint>
@@ -177,20 +192,14 @@ def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
     same steps (else the circular buffers fall out of step and the kernel hangs), each with its own tile's bit;
     on random maps with full and empty words, rows without a map, and every split into the two KV loops."""
     import random
-    import shutil
     import subprocess
 
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("needs a host C++ compiler (g++) to build the map cursor")
     dma = fmha_v2_sage.patched_headers()["fmha/warpspec/dma.h"]
     begin = dma.index("    static inline __device__ uint32_t reused_word(")
     cursor = dma[begin:dma.index("\n    };\n", begin) + len("\n    };\n")]
     for device, host in (("__device__ ", ""), ("__ldg(", "*("), ("__ffs(", "__builtin_ffs("), (" min(", " std::min(")):
         cursor = cursor.replace(device, host)
-    (tmp_path / "cursor.cpp").write_text(CURSOR_HARNESS.replace("CURSOR", cursor))
-    subprocess.run([compiler, "-std=c++17", "-O1", "-o", str(tmp_path / "cursor"), str(tmp_path / "cursor.cpp")],
-                   check=True)
+    program = _built_on_host(tmp_path, "cursor", CURSOR_HARNESS.replace("CURSOR", cursor), "the map cursor")
     rng, cases, expected = random.Random(0), [], []
     for _ in range(400):
         words = rng.randint(1, 4)
@@ -211,7 +220,7 @@ def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
         cases.append(" ".join(map(str, (words, own, partner, start, mask_start, end, *packed))))
         expected.append(" ".join(map(str, loaded)) + " |" + " ".join(f"{s}:{int(own_bits[s])}" for s in loaded)
                         + f" |{end - 1 if loaded[-1] == end - 1 else end}")
-    walked = subprocess.run([str(tmp_path / "cursor")], input=f"{len(cases)}\n" + "\n".join(cases) + "\n",
+    walked = subprocess.run([str(program)], input=f"{len(cases)}\n" + "\n".join(cases) + "\n",
                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert walked == expected
 
@@ -248,19 +257,13 @@ int main() {
 def test_the_map_writing_kernel_sets_the_bits_of_the_halves_its_vote_skipped(tmp_path):
     """record_skipped_halves from the patched compute.h, compiled for the host: a 256-key step's two 128-key tiles
     are bits 2·step and 2·step + 1 of the query tile's row; a second half past the keys is no tile."""
-    import shutil
     import subprocess
 
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("needs a host C++ compiler (g++) to build the map's record")
     compute = fmha_v2_sage.patched_headers()["fmha/warpspec/compute.h"]
     begin = compute.index("  static inline __device__ void record_skipped_halves(")
     record = compute[begin:compute.index("\n  }\n", begin) + len("\n  }\n")].replace("__device__ ", "")
-    (tmp_path / "halves.cpp").write_text(HALVES_HARNESS.replace("RECORD", record))
-    subprocess.run([compiler, "-std=c++17", "-O1", "-o", str(tmp_path / "halves"), str(tmp_path / "halves.cpp")],
-                   check=True)
-    got = subprocess.run([str(tmp_path / "halves")], capture_output=True, text=True, check=True).stdout.split("\n")
+    program = _built_on_host(tmp_path, "halves", HALVES_HARNESS.replace("RECORD", record), "the map's record")
+    got = subprocess.run([str(program)], capture_output=True, text=True, check=True).stdout.split("\n")
     expected = []
     for step in range(40):
         for vote in range(4):
