@@ -90,20 +90,23 @@ def main(argv=None) -> None:
         return lambda: fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
                                                            kv_step=kv_step)
 
-    def mapped(entry, test=True, kv_step=fmha_v2_sage.REUSE_KV_STEP):
+    def mapped(entry, test=True, kv_step=fmha_v2_sage.REUSE_KV_STEP, fresh_map=False):
         def call():
             tile_map.copy_(entry)
             counts.zero_()
             fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0, kv_step=kv_step,
                                                 skip_factor=factor if test else 0.0, skip_counts=counts,
-                                                tile_map=tile_map)
+                                                tile_map=tile_map, fresh_map=fresh_map)
         return call
 
     mapped(torch.zeros_like(tile_map))()
     fresh_map = tile_map.clone()
     calls = {"dense256": dense(256), "dense128": dense(128), "fresh": mapped(torch.zeros_like(tile_map)),
-             "fresh256": mapped(torch.zeros_like(tile_map), kv_step=fmha_v2_sage.FRESH_KV_STEP),
-             "reuse": mapped(fresh_map), "walk": mapped(every_tile), "reuse untested": mapped(fresh_map, test=False)}
+             "fresh256": mapped(torch.zeros_like(tile_map), kv_step=fmha_v2_sage.FRESH_KV_STEP, fresh_map=True),
+             "reuse": mapped(fresh_map), "walk": mapped(every_tile), "reuse untested": mapped(fresh_map, test=False),
+             "pairs": mapped(fresh_map, kv_step=fmha_v2_sage.PAIRS_KV_STEP),
+             "pairs walk": mapped(every_tile, kv_step=fmha_v2_sage.PAIRS_KV_STEP),
+             "pairs untested": mapped(fresh_map, test=False, kv_step=fmha_v2_sage.PAIRS_KV_STEP)}
     total = heads * -(-seq // 64) * kv_tiles
     gemm_flops = 2 * 64 * 128 * d
     quantize_ms = skip_reuse.timed(lambda: fmha_v2_sage.sage_quantize_packed(q, k, v, cu, seq, 0), args.iters)

@@ -464,6 +464,13 @@ def _map_of(tiles, qkv):
     return pack_tile_map(tiles, -(-tiles.shape[-1] // 32)).to(qkv.q.device)
 
 
+@pytest.fixture(params=[fmha_v2_sage.REUSE_KV_STEP, fmha_v2_sage.PAIRS_KV_STEP], ids=["tile-per-step", "tile-pairs"])
+def reuse_kv_step(request, monkeypatch):
+    """Each tile-map kernel as the one the route runs: a tile per 128-key step, tile pairs per 256-key step."""
+    monkeypatch.setattr(fmha_v2_sage, "REUSE_KV_STEP", request.param)
+    return request.param
+
+
 # 4,500 keys: 36 KV tiles, two map words per query tile (the words past the first are read and written)
 SHAPES = {"self": ((1100, 300, 4500), (1100, 300, 4500)), "fewer-queries": ((600, 1000), (1700, 4500))}
 
@@ -508,7 +515,7 @@ def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", SHAPES.values(), ids=SHAPES.keys())
-def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths):
+def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths, reuse_kv_step):
     _hopper()
     qkv = peaky_qkv(*lengths, 8, 2)
     # the previous step's map at a larger λ: it skips tiles this step's test would keep
@@ -524,7 +531,7 @@ def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths):
 
 
 @pytest.mark.gpu
-def test_gpu_steps_every_query_tile_reuses_are_never_read():
+def test_gpu_steps_every_query_tile_reuses_are_never_read(reuse_kv_step):
     """K and V of 256 keys (two tiles) that every query tile reuses are set to NaN after quantization: the output
     is bit for bit the one with intact K and V, so those keys were neither loaded nor multiplied."""
     _hopper()
@@ -560,7 +567,7 @@ def test_gpu_steps_every_query_tile_reuses_are_never_read():
 
 
 @pytest.mark.gpu
-def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
+def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles(reuse_kv_step):
     _hopper()
     qkv = peaky_qkv((1100, 300, 4500), (1100, 300, 4500), 8, 2, seed=6)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 8)
@@ -576,7 +583,7 @@ def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
 
 
 @pytest.mark.gpu
-def test_gpu_a_map_at_factor_0_skips_its_tiles_without_the_test():
+def test_gpu_a_map_at_factor_0_skips_its_tiles_without_the_test(reuse_kv_step):
     """Factor 0 runs the tile-map kernel without Skip-Softmax's test: it skips the map's tiles as the kernel with
     the test does at a threshold that skips nothing, leaves the map as it was and counts what it reused."""
     _hopper()
@@ -647,7 +654,7 @@ def _drift_case(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", DRIFT_CASES)
-def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case):
+def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case, reuse_kv_step):
     """Reused tiles beside tiles the test skips, on maps whose bits moved as between denoising steps (the first
     step's too, which the kernel's own maps never hold): the kernel finishes and decides as the reference. Each
     case runs in a child process, so that a stalled kernel fails the case instead of hanging the session."""
@@ -657,7 +664,8 @@ def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case):
 
     _hopper()
     tests = pathlib.Path(__file__).parent
-    code = f"import test_fmha_v2_reuse as t; t._drift_case({case!r})"
+    code = (f"import test_fmha_v2_reuse as t; t.fmha_v2_sage.REUSE_KV_STEP = {reuse_kv_step}; "
+            f"t._drift_case({case!r})")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
     try:
         proc = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True,
