@@ -139,12 +139,18 @@ struct Fused_multihead_attention_params_v2 {
   const uint32_t* tile_map_entry;
 };
 }  // namespace bert
+struct int2 {
+  int x, y;
+};
+static int2 make_int2(int x, int y) { return {x, y}; }
 struct Device {
 CURSOR
 };
 // stdin: a case count, then per case: words, own row and partner row (-1: none), start, the first masked step,
 // end, and the two rows' words. stdout per case: the DMA's loaded steps | the compute group's steps:reused | the
-// last step's next_loaded, walked as dma.h's KV loop and compute.h's two KV loops (TILE_MAP_STEP) walk them.
+// last step's next_loaded, walked as dma.h's KV loop and compute.h's two KV loops (TILE_MAP_STEP) walk them;
+// then, as tile pairs (steps are tiles), | the DMA's pairs | the compute group's pairs, each pair
+// first:reused,second:reused (second: the end where there is none), walked as dma.h's and compute.h's loops.
 int main() {
   int cases;
   if (scanf("%d", &cases) != 1) return 1;
@@ -179,7 +185,25 @@ int main() {
       if (s == end) break;
       printf("%d:%d ", s, step & 1);
     }
-    printf("|%d\n", cursor.next_loaded(params, end - 1, start, end));
+    printf("|%d |", cursor.next_loaded(params, end - 1, start, end));
+    Device::Tile_map_cursor dma_pairs(own_row, partner_row);
+    for (int step = 0, from = start; step < (end - start + 1) / 2; ++step) {
+      int2 const pair = dma_pairs.next_pair(params, from, end, step == 0);
+      if ((pair.x >> 1) == end) break;
+      printf("%d:%d,%d:%d ", pair.x >> 1, pair.x & 1, pair.y >> 1, pair.y & 1);
+      from = (pair.y >> 1) + 1;
+    }
+    printf("|");
+    Device::Tile_map_cursor compute_pairs(own_row, partner_row);
+    int2 pair = compute_pairs.next_pair(params, start, end, true);
+    int2 following = compute_pairs.next_pair(params, (pair.y >> 1) + 1, end, false);
+    printf("%d:%d,%d:%d ", pair.x >> 1, pair.x & 1, pair.y >> 1, pair.y & 1);
+    while ((following.x >> 1) < end) {
+      pair = following;
+      following = compute_pairs.next_pair(params, (pair.y >> 1) + 1, end, false);
+      printf("%d:%d,%d:%d ", pair.x >> 1, pair.x & 1, pair.y >> 1, pair.y & 1);
+    }
+    printf("\n");
   }
   return 0;
 }
@@ -218,8 +242,13 @@ def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
         loaded = [start] + [s for s in range(start + 1, end) if not (own_bits[s] and partner_bits[s])]
         packed = [sum(bit << j for j, bit in enumerate(row[32 * w:32 * w + 32])) for row in rows for w in range(words)]
         cases.append(" ".join(map(str, (words, own, partner, start, mask_start, end, *packed))))
+        # tile pairs: the tiles one row does not reuse, two per step (a lone last one with the end), or the
+        # start's tile for both rows to reuse where there is none
+        to_load = [s for s in range(start, end) if not (own_bits[s] and partner_bits[s])] or [start]
+        pairs = " ".join(f"{a}:{int(own_bits[a])},{b}:{int(b < end and own_bits[b])}"
+                         for a, b in zip(to_load[::2], to_load[1::2] + [end]))
         expected.append(" ".join(map(str, loaded)) + " |" + " ".join(f"{s}:{int(own_bits[s])}" for s in loaded)
-                        + f" |{end - 1 if loaded[-1] == end - 1 else end}")
+                        + f" |{end - 1 if loaded[-1] == end - 1 else end} |{pairs} |{pairs} ")
     walked = subprocess.run([str(program)], input=f"{len(cases)}\n" + "\n".join(cases) + "\n",
                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert walked == expected
