@@ -30,12 +30,14 @@ FP8 = AttnQuantSpec("fp8_e4m3")
 # ---------------------------------------------------------------- CPU: build, refusals, plumbing
 
 
-def test_two_tile_map_kernels_with_their_own_names_and_flag():
-    """With Skip-Softmax's test, and without it for a map at factor 0 (the binding picks it: its test would skip
-    nothing)."""
+def test_the_tile_map_kernels_with_their_own_names_and_flag():
+    """A tile per 128-key step with Skip-Softmax's test, and without it for a map at factor 0 (the binding picks
+    it: its test would skip nothing); tile pairs per 256-key step with the test (flag value 2), for both."""
     reuse = [k for k in fmha_v2_sage.sage_kernels() if k.reuse]
     assert reuse == [fmha_v2_sage.SageKernel(0, 128, True, reuse=True), fmha_v2_sage.SageKernel(0, 128, False,
-                                                                                              reuse=True)]
+                                                                                              reuse=True),
+                     fmha_v2_sage.SageKernel(0, fmha_v2_sage.PAIRS_KV_STEP, True, reuse=True)]
+    assert [k.tile_pairs for k in reuse] == [False, False, True]
     sources = fmha_v2_sage.kernel_sources()
     # and the Skip-Softmax kernel of 256-key steps that writes a zeroed map (a reuse window's first step)
     writer = [k for k in fmha_v2_sage.sage_kernels() if k.map_out]
@@ -43,8 +45,8 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     names = fmha_v2_sage.kernel_names(writer[0])
     assert all("skipSoftmax_tileMapOut_sage" in name for name in names) and "_64_256_S_" in names[0]
     assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP_OUT 1")
-    assert ("kv_step == 256 && skip == true && lse == false && tile_map == true) {\n    " + names[1]
-            ) in sources["sage_kernels.h"]
+    assert ("kv_step == 256 && skip == true && lse == false && tile_map == true && map_out == true) {\n    "
+            + names[1]) in sources["sage_kernels.h"]
     assert sum("DIFFUSERS_TRTLLM_TILE_MAP_OUT 1" in code for name, code in sources.items() if name.endswith(".cu")) == 1
     for kernel in reuse:
         plain = fmha_v2_sage.kernel_names(fmha_v2_sage.SageKernel(0, kernel.kv_step, kernel.skip_softmax))
@@ -53,13 +55,18 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
         assert all(mark in name and ("skipSoftmax" in name) == kernel.skip_softmax for name in names)
         assert set(names).isdisjoint(plain)
         assert f"_64_{kernel.kv_step}_S_" in names[0]
-        assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP 1")
+        assert sources[names[0]].startswith(f"#define DIFFUSERS_TRTLLM_TILE_MAP {2 if kernel.tile_pairs else 1} ")
         skip = str(kernel.skip_softmax).lower()
-        assert (f"kv_step == {kernel.kv_step} && skip == {skip} && lse == false && tile_map == true) {{\n    "
-                + names[1]) in sources["sage_kernels.h"]
+        assert (f"kv_step == {kernel.kv_step} && skip == {skip} && lse == false && tile_map == true && map_out == "
+                f"false) {{\n    " + names[1]) in sources["sage_kernels.h"]
     assert sum("DIFFUSERS_TRTLLM_TILE_MAP 1" in code for name, code in sources.items() if name.endswith(".cu")) == 2
+    assert sum("DIFFUSERS_TRTLLM_TILE_MAP 2" in code for name, code in sources.items() if name.endswith(".cu")) == 1
     binding = fmha_v2_sage.BINDING_SOURCE.read_text()
-    assert "launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0;" in binding
+    # the test's kernel at factor > 0; at 0 the one without the test, but for tile pairs (one kernel); a map
+    # without its entry copy is written only
+    assert ("launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0 || (reuse && kv_step == 256);"
+            in binding)
+    assert "const bool writes_map_only = reuse && tile_map_entry.numel() == 0;" in binding
     # the headers: the map's pointers beside the skip statistics, the DMA's predicate, the kernels without a map
     # keeping FlashInfer's step by the preprocessor
     assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
@@ -96,7 +103,7 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     # the tile-map kernels call the softmax's max-and-vote and its exps apart (kept path in one block); the
     # preprocessor leaves FlashInfer's kernels the whole function
     assert compute.count(
-        "#if DIFFUSERS_TRTLLM_TILE_MAP\n    // diffusers_trtllm: the vote first, the exps on the kept path "
+        "#elif DIFFUSERS_TRTLLM_TILE_MAP\n    // diffusers_trtllm: the vote first, the exps on the kept path "
         "(Softmax::compute_and_update_scale)\n    if (!softmax.compute_max_and_vote<IS_FIRST_COL>(p_max, "
         "skip_softmax_vote)) {\n#else\n    if (!softmax.compute_and_update_scale<IS_FIRST_COL>(") == 1
     assert "#if DIFFUSERS_TRTLLM_TILE_MAP\n    softmax.compute_exps_and_update<IS_FIRST_COL>(p_max, p_sum);\n#endif" \
@@ -112,6 +119,9 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     vote_by_slot = epilogue[epilogue.index("bar.red.and.pred"):].split("#else\n", 1)[1].split("#endif\n", 1)[0]
     assert "atomicAnd(skip_softmax_vote" in vote_by_slot
     assert compute.count("#if !DIFFUSERS_TRTLLM_TILE_MAP\n    if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX) {") == 2
+    # tile pairs: their own loop and vote, by the preprocessor; a half's keys masked before the vote
+    assert compute.count("#if DIFFUSERS_TRTLLM_TILE_MAP == 2\n") == 2 and "#endif  // tile pairs" in compute
+    assert "softmax.mask_halves();\n    if (!softmax.compute_pair_max_and_vote<IS_FIRST_COL>(p_max)) {" in compute
 
 
 def _built_on_host(tmp_path, name, source, what):
@@ -330,14 +340,16 @@ def test_a_tile_map_of_2_31_words_is_refused_before_any_work():
     tile_map = torch.empty(fmha_v2_sage.tile_map_shape((seq,), (seq,), heads), dtype=torch.int32, device="meta")
     assert tile_map.numel() >= 2 ** 31
     with pytest.raises(ValueError, match=rf"tile_map has {tile_map.numel()} words; .* 32-bit offsets"):
-        fmha_v2_sage._check_tile_map(tile_map, q, (seq,), None, 0, fmha_v2_sage.REUSE_KV_STEP, False, 1.0)
+        fmha_v2_sage._check_tile_map(tile_map, q, (seq,), None, 0, fmha_v2_sage.REUSE_KV_STEP, False, 1.0, False)
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(k_block=64), r"k_block=0, kv_step=128 \(or kv_step=256 with skip_factor > 0: a zeroed map written\) "
-                       r"and no return_lse; got k_block=64"),
-    # 256-key steps write a zeroed map, testing every tile: without the test there is nothing to write
-    (dict(kv_step=256, skip_factor=0.0), "got k_block=0, kv_step=256, skip_factor=0.0"),
+    (dict(k_block=64), r"k_block=0, kv_step=128 or 256 \(a fresh_map: kv_step=256 with skip_factor > 0, the map "
+                       r"written\) and no return_lse; got k_block=64"),
+    # a fresh map is written by the Skip-Softmax kernel, testing every tile: without the test nothing is written
+    (dict(kv_step=256, skip_factor=0.0, fresh_map=True), "got k_block=0, kv_step=256, skip_factor=0.0, fresh_map=True"),
+    (dict(kv_step=128, fresh_map=True), "got k_block=0, kv_step=128, skip_factor=1.0, fresh_map=True"),
+    (dict(kv_step=512), "got k_block=0, kv_step=512"),
     (dict(kv_step=256, k_block=64), "got k_block=64, kv_step=256"),
     (dict(return_lse=True), "return_lse=True"),
     (dict(skip_counts=torch.zeros(1, dtype=torch.int32)), r"int32 \[2\] tensor on cpu \(with a tile map: tested"),
@@ -387,7 +399,7 @@ def test_the_binding_gets_a_copy_of_the_map_and_the_map_itself(monkeypatch):
     seen.clear()
     fmha_v2_sage.sage_attention_packed(packed, torch.tensor([0, tokens], dtype=torch.int32), (tokens,), heads,
                                        SCALE, 1.0, fmha_v2_sage.FRESH_KV_STEP, torch.zeros(1, dtype=torch.int32),
-                                       None, tile_map)
+                                       None, tile_map, fresh_map=True)
     assert seen[11].numel() == 0 and seen[12] is tile_map and seen[18] == fmha_v2_sage.FRESH_KV_STEP
 
 
@@ -427,6 +439,7 @@ def test_the_hopper_sage_route_runs_a_reuse_plan_with_its_map_and_reports_both_c
     assert (result.tile_map is tile_map) if tile_map is not None else not result.tile_map.any()
     kv_step = fmha_v2_sage.FRESH_KV_STEP if plan.fresh_map else fmha_v2_sage.REUSE_KV_STEP
     assert seen["k_block"] == fmha_v2_sage.REUSE_K_BLOCK and seen["kv_step"] == kv_step
+    assert seen["fresh_map"] == plan.fresh_map
     assert int(result.skipped_tiles) == 7 and int(result.reused_tiles) == (2 * torch.tensor(shape).prod()
                                                                            if given == "plan-map" else 0)
     assert result.total_tiles == fmha_v2_sage.skip_tiles((164, 300), 4)
