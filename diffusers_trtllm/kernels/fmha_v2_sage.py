@@ -20,12 +20,15 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   row's ``exp(tile_max - running_max) < skip_factor / kv_len``, with ``running_max`` the one at the start of the
   KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart
   (``half_step_skip.patch``), or 128); the first KV step is never skipped;
-- Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in a separate
-  kernel (``tile_map_reuse.patch``) at :data:`REUSE_KV_STEP` keys per step, one tile, so that a reused tile
+- Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in separate
+  kernels (``tile_map_reuse.patch``): at :data:`REUSE_KV_STEP` keys per step, one tile, so that a reused tile
   costs its warpgroup nothing whatever its neighbour does: the map's tiles are skipped untested, without their
   K/V loads where both warpgroups of a CTA reuse them, the others tested as above, and the tiles the test skipped
   are added to the map; at ``skip_factor`` 0 a second tile-map kernel without the test computes the others and
-  leaves the map as it was. A zeroed map (a reuse window's first step: every tile tested) runs at 256-key steps
+  leaves the map as it was. Tile pairs (:data:`PAIRS_KV_STEP`): each 256-key step loads two tiles that one of
+  the CTA's query tiles does not reuse, wherever they lie, and masks for each warpgroup the half it reuses; its
+  decisions are a tile per step's (each tile tested in key order against the running max after the tiles
+  before it), only P's fp8 rounding is per pair. A zeroed map (a reuse window's first step: every tile tested) runs at 256-key steps
   instead, on the Skip-Softmax kernel that also writes the tiles it skips into the map (:data:`FRESH_KV_STEP`).
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
@@ -487,11 +490,12 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     (no Q·Kᵀ, exps or P·V for the query tile, no K/V load where both warpgroups' query tiles reuse the tile),
     tests the others as without a map, and sets the bits of the tiles its test skipped (updated in place; zero
     the map for a step that tests every tile). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step``
-    :data:`REUSE_KV_STEP`, no ``return_lse``; ``skip_factor`` 0 skips
-    the map's tiles only. At ``kv_step`` :data:`FRESH_KV_STEP` (``skip_factor`` > 0) the map must be zeroed (a
-    reuse window's first step): the Skip-Softmax kernel of that step tests every tile, reads none of the map and
-    sets the bits of the tiles it skipped, each 128-key half of a step decided against the running max at the
-    step's start as without a map. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused:
+    :data:`REUSE_KV_STEP` (a tile per step) or :data:`PAIRS_KV_STEP` (tile pairs: each step two tiles the map
+    leaves to load, decided as a tile per step decides them, in key order), no ``return_lse``; ``skip_factor`` 0
+    skips the map's tiles only. ``fresh_map`` (``kv_step`` :data:`FRESH_KV_STEP`, ``skip_factor`` > 0): the map
+    is zeroed (a reuse window's first step): the Skip-Softmax kernel of that step tests every tile, reads none of
+    the map and sets the bits of the tiles it skipped, each 128-key half of a step decided against the running
+    max at the step's start as without a map. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused:
     the bits set on entry, 0 for a zeroed map). GPUs: sm_90 (H100/H200); the first call on a machine compiles the
     kernels (see :func:`load_module`).
     """
