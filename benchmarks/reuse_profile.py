@@ -4,20 +4,22 @@
 Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip),
 ``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps),
 ``fresh256`` (the Skip-Softmax kernel of 256-key steps writing a zeroed map: what a reuse window's first step
-runs), ``reuse``
-(from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV step computed,
-the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without Skip-Softmax's
-test, which computes every tile the map does not hold). Each call includes its quantization, timed alone as
-``quantize``.
+runs), ``reuse`` (from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV
+step computed, the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without
+Skip-Softmax's test, which computes every tile the map does not hold), and ``pairs``, ``pairs walk`` and ``pairs
+untested``: the last three on the tile-pair kernel (``fmha_v2_sage.PAIRS_KV_STEP``). Each call includes its
+quantization, timed alone as ``quantize``.
 
 Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
 the ratio to cuDNN and the TFLOP/s of the tiles computed. ``--kv-buffers N`` builds and runs a module whose 128-key
 kernels keep N K/V buffers in flight instead of ``fmha_v2_sage.KV_BUFFERS``' choice (an experiment: the module is
 built on first use). ``--tile-map-patch FILE`` builds the module with FILE in place of the package's
 ``tile_map_reuse.patch`` (the other patches as they are), for an A/B of a kernel change in one device call, one
-process per build (two modules with the same kernel names in one process could call each other's):
+process per build (two modules with the same kernel names in one process could call each other's). FILE must
+build every kernel of ``fmha_v2_sage.sage_kernels()`` (a patch from before the tile-pair kernel, 3cc0e19's,
+does not):
 
-    git show c9ba52e:diffusers_trtllm/kernels/csrc/fmha_v2_patches/tile_map_reuse.patch > ab/before.patch
+    git show 8c32909:diffusers_trtllm/kernels/csrc/fmha_v2_patches/tile_map_reuse.patch > ab/before.patch
     python benchmarks/reuse_profile.py --iters 5
     python benchmarks/reuse_profile.py --iters 5 --tile-map-patch ab/before.patch
 

@@ -154,6 +154,7 @@ struct int2 {
 };
 static int2 make_int2(int x, int y) { return {x, y}; }
 struct Device {
+  static constexpr int STEP_KV = 256;  // the tile-pair kernel's (tiles_end)
 CURSOR
 };
 // stdin: a case count, then per case: words, own row and partner row (-1: none), start, the first masked step,

@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "6d0abfce23fd027f2c53609facdb8a929fb6943f7908e9ee197cc0b683988018"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "8df42a162ef841e3bec4dd236ba11198e7a311c0af58fe6f6f60f9a8a0a2d002"),
-    "0.7.4": "48534eff40e586ccc0dc101b03e0d6b4447ec6b8c680cf2a7b170b2a26550412",
+                    "92009ed369878fba1f4b847b68d3179f2e177430b0623dd096bab7234c6372f7"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "530124b3122b69b90d33e127de7459942099d564f3e2f9d9a0d4854be4857fa6"),
+    "0.7.4": "462ee1c8c2e7c8aa8fee1324843880df810aabca0329c73aa167fc4cd9fec3fd",
 }
 
 

@@ -28,8 +28,9 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   leaves the map as it was. Tile pairs (:data:`PAIRS_KV_STEP`): each 256-key step loads two tiles that one of
   the CTA's query tiles does not reuse, wherever they lie, and masks for each warpgroup the half it reuses; its
   decisions are a tile per step's (each tile tested in key order against the running max after the tiles
-  before it), only P's fp8 rounding is per pair. A zeroed map (a reuse window's first step: every tile tested) runs at 256-key steps
-  instead, on the Skip-Softmax kernel that also writes the tiles it skips into the map (:data:`FRESH_KV_STEP`).
+  before it), only P's fp8 rounding is per pair. A zeroed map (a reuse window's first step: every tile tested)
+  runs at 256-key steps instead, on the Skip-Softmax kernel that also writes the tiles it skips into the map
+  (:data:`FRESH_KV_STEP`).
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
 every sequence with as many queries as keys, and V already transposed (``v_layout.patch``). A sequence with fewer
@@ -102,8 +103,9 @@ class SageKernel:
 LSE_KV_STEP = 256
 
 
-# The tile-map kernel: K block 0 (the route's default) at one tile per KV step. Its 256-key twin was slower at
-# Wan's size and stalled on drifted maps (benchmarks/RESULTS.md, 2026-12-05), so it is not built.
+# The tile-map kernel the route runs: K block 0 (the route's default) at one tile per KV step. An earlier 256-key
+# twin, each step a fixed pair of tiles, was slower at Wan's size and stalled on drifted maps (benchmarks/RESULTS.md,
+# 2026-12-05); the tile-pair kernel below takes any two tiles to load instead.
 REUSE_K_BLOCK, REUSE_KV_STEP = 0, 128
 # The tile-map kernel of tile pairs: each 256-key step holds two 128-key tiles the map leaves to load, the tiles
 # decided as at one tile per step; the Skip-Softmax kernel serves skip_factor 0 too (it then skips nothing).
@@ -495,9 +497,9 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     skips the map's tiles only. ``fresh_map`` (``kv_step`` :data:`FRESH_KV_STEP`, ``skip_factor`` > 0): the map
     is zeroed (a reuse window's first step): the Skip-Softmax kernel of that step tests every tile, reads none of
     the map and sets the bits of the tiles it skipped, each 128-key half of a step decided against the running
-    max at the step's start as without a map. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused:
-    the bits set on entry, 0 for a zeroed map). GPUs: sm_90 (H100/H200); the first call on a machine compiles the
-    kernels (see :func:`load_module`).
+    max at the step's start as without a map. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped,
+    tiles reused: the bits set on entry, 0 for a zeroed map). GPUs: sm_90 (H100/H200); the first call on a
+    machine compiles the kernels (see :func:`load_module`).
     """
     if tile_map is not None:
         _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse, skip_factor, fresh_map)
