@@ -507,7 +507,7 @@ def _map_of(tiles, qkv):
     return pack_tile_map(tiles, -(-tiles.shape[-1] // 32)).to(qkv.q.device)
 
 
-@pytest.fixture(params=[fmha_v2_sage.REUSE_KV_STEP, fmha_v2_sage.PAIRS_KV_STEP], ids=["tile-per-step", "tile-pairs"])
+@pytest.fixture(params=[fmha_v2_sage.TILE_KV_STEP, fmha_v2_sage.PAIRS_KV_STEP], ids=["tile-per-step", "tile-pairs"])
 def reuse_kv_step(request, monkeypatch):
     """Each tile-map kernel as the one the route runs: a tile per 128-key step, tile pairs per 256-key step."""
     monkeypatch.setattr(fmha_v2_sage, "REUSE_KV_STEP", request.param)

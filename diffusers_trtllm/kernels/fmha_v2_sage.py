@@ -21,7 +21,7 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart
   (``half_step_skip.patch``), or 128); the first KV step is never skipped;
 - Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in separate
-  kernels (``tile_map_reuse.patch``): at :data:`REUSE_KV_STEP` keys per step, one tile, so that a reused tile
+  kernels (``tile_map_reuse.patch``): at :data:`TILE_KV_STEP` keys per step, one tile, so that a reused tile
   costs its warpgroup nothing whatever its neighbour does: the map's tiles are skipped untested, without their
   K/V loads where both warpgroups of a CTA reuse them, the others tested as above, and the tiles the test skipped
   are added to the map; at ``skip_factor`` 0 a second tile-map kernel without the test computes the others and
@@ -106,7 +106,8 @@ LSE_KV_STEP = 256
 # The tile-map kernel the route runs: K block 0 (the route's default) at one tile per KV step. An earlier 256-key
 # twin, each step a fixed pair of tiles, was slower at Wan's size and stalled on drifted maps (benchmarks/RESULTS.md,
 # 2026-12-05); the tile-pair kernel below takes any two tiles to load instead.
-REUSE_K_BLOCK, REUSE_KV_STEP = 0, 128
+REUSE_K_BLOCK, TILE_KV_STEP = 0, 128
+REUSE_KV_STEP = TILE_KV_STEP  # the tile-map kernel's step that the route runs (the built kernels do not follow it)
 # The tile-map kernel of tile pairs: each 256-key step holds two 128-key tiles the map leaves to load, the tiles
 # decided as at one tile per step; the Skip-Softmax kernel serves skip_factor 0 too (it then skips nothing).
 PAIRS_KV_STEP = 256
@@ -119,13 +120,13 @@ def sage_kernels() -> tuple[SageKernel, ...]:
     """Every kernel the module builds: each compiled K block and KV step, with and without Skip-Softmax (K block
     128 at KV step 256 only: it exists for the block-size sweep), at :data:`LSE_KV_STEP` each of those again
     writing the softmax statistics (a separate kernel: the others stay as they were), and the kernels at
-    :data:`REUSE_K_BLOCK` and :data:`REUSE_KV_STEP`, with and without Skip-Softmax, again reusing a tile map (the
+    :data:`REUSE_K_BLOCK` and :data:`TILE_KV_STEP`, with and without Skip-Softmax, again reusing a tile map (the
     one without runs a map at ``skip_factor`` 0: it skips the map's tiles and tests nothing), and the Skip-Softmax
     kernel at :data:`REUSE_K_BLOCK` and :data:`FRESH_KV_STEP` again writing the tiles it skips into a zeroed map."""
     plain = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
                   for skip in (False, True) if not (k_block == 128 and kv_step != 256))
     return (plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
-            + tuple(SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, skip, reuse=True) for skip in (True, False))
+            + tuple(SageKernel(REUSE_K_BLOCK, TILE_KV_STEP, skip, reuse=True) for skip in (True, False))
             + (SageKernel(REUSE_K_BLOCK, PAIRS_KV_STEP, True, reuse=True),)
             + (SageKernel(REUSE_K_BLOCK, FRESH_KV_STEP, True, map_out=True),))
 
@@ -492,7 +493,7 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     (no Q·Kᵀ, exps or P·V for the query tile, no K/V load where both warpgroups' query tiles reuse the tile),
     tests the others as without a map, and sets the bits of the tiles its test skipped (updated in place; zero
     the map for a step that tests every tile). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step``
-    :data:`REUSE_KV_STEP` (a tile per step) or :data:`PAIRS_KV_STEP` (tile pairs: each step two tiles the map
+    :data:`TILE_KV_STEP` (a tile per step) or :data:`PAIRS_KV_STEP` (tile pairs: each step two tiles the map
     leaves to load, decided as a tile per step decides them, in key order), no ``return_lse``; ``skip_factor`` 0
     skips the map's tiles only. ``fresh_map`` (``kv_step`` :data:`FRESH_KV_STEP`, ``skip_factor`` > 0): the map
     is zeroed (a reuse window's first step): the Skip-Softmax kernel of that step tests every tile, reads none of
@@ -568,9 +569,9 @@ def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int,
         raise ValueError(f"tile_map has {tile_map.numel()} words; the kernel addresses its rows with 32-bit offsets "
                          f"(fewer than 2^31 words): split the batch or its heads into several calls")
     runs = (kv_step == FRESH_KV_STEP and skip_factor > 0 if fresh_map
-            else kv_step in (REUSE_KV_STEP, PAIRS_KV_STEP))
+            else kv_step in (TILE_KV_STEP, PAIRS_KV_STEP))
     if k_block != REUSE_K_BLOCK or not runs or return_lse:
-        raise ValueError(f"a tile map runs on the kernels with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} or "
+        raise ValueError(f"a tile map runs on the kernels with k_block={REUSE_K_BLOCK}, kv_step={TILE_KV_STEP} or "
                          f"{PAIRS_KV_STEP} (a fresh_map: kv_step={FRESH_KV_STEP} with skip_factor > 0, the map "
                          f"written) and no return_lse; got k_block={k_block}, kv_step={kv_step}, skip_factor="
                          f"{skip_factor}, fresh_map={fresh_map}, return_lse={return_lse}")
