@@ -4,22 +4,20 @@
 Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip),
 ``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps),
 ``fresh256`` (the Skip-Softmax kernel of 256-key steps writing a zeroed map: what a reuse window's first step
-runs), ``reuse`` (from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV
-step computed, the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without
-Skip-Softmax's test, which computes every tile the map does not hold), and ``pairs``, ``pairs walk`` and ``pairs
-untested``: the last three on the tile-pair kernel (``fmha_v2_sage.PAIRS_KV_STEP``). Each call includes its
-quantization, timed alone as ``quantize``.
+runs), ``reuse``
+(from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV step computed,
+the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without Skip-Softmax's
+test, which computes every tile the map does not hold). Each call includes its quantization, timed alone as
+``quantize``.
 
 Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
 the ratio to cuDNN and the TFLOP/s of the tiles computed. ``--kv-buffers N`` builds and runs a module whose 128-key
 kernels keep N K/V buffers in flight instead of ``fmha_v2_sage.KV_BUFFERS``' choice (an experiment: the module is
 built on first use). ``--tile-map-patch FILE`` builds the module with FILE in place of the package's
 ``tile_map_reuse.patch`` (the other patches as they are), for an A/B of a kernel change in one device call, one
-process per build (two modules with the same kernel names in one process could call each other's). FILE must
-build every kernel of ``fmha_v2_sage.sage_kernels()`` (a patch from before the tile-pair kernel, 3cc0e19's,
-does not):
+process per build (two modules with the same kernel names in one process could call each other's):
 
-    git show 8c32909:diffusers_trtllm/kernels/csrc/fmha_v2_patches/tile_map_reuse.patch > ab/before.patch
+    git show c9ba52e:diffusers_trtllm/kernels/csrc/fmha_v2_patches/tile_map_reuse.patch > ab/before.patch
     python benchmarks/reuse_profile.py --iters 5
     python benchmarks/reuse_profile.py --iters 5 --tile-map-patch ab/before.patch
 
@@ -92,23 +90,20 @@ def main(argv=None) -> None:
         return lambda: fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
                                                            kv_step=kv_step)
 
-    def mapped(entry, test=True, kv_step=fmha_v2_sage.REUSE_KV_STEP, fresh_map=False):
+    def mapped(entry, test=True, kv_step=fmha_v2_sage.REUSE_KV_STEP):
         def call():
             tile_map.copy_(entry)
             counts.zero_()
             fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0, kv_step=kv_step,
                                                 skip_factor=factor if test else 0.0, skip_counts=counts,
-                                                tile_map=tile_map, fresh_map=fresh_map)
+                                                tile_map=tile_map)
         return call
 
     mapped(torch.zeros_like(tile_map))()
     fresh_map = tile_map.clone()
     calls = {"dense256": dense(256), "dense128": dense(128), "fresh": mapped(torch.zeros_like(tile_map)),
-             "fresh256": mapped(torch.zeros_like(tile_map), kv_step=fmha_v2_sage.FRESH_KV_STEP, fresh_map=True),
-             "reuse": mapped(fresh_map), "walk": mapped(every_tile), "reuse untested": mapped(fresh_map, test=False),
-             "pairs": mapped(fresh_map, kv_step=fmha_v2_sage.PAIRS_KV_STEP),
-             "pairs walk": mapped(every_tile, kv_step=fmha_v2_sage.PAIRS_KV_STEP),
-             "pairs untested": mapped(fresh_map, test=False, kv_step=fmha_v2_sage.PAIRS_KV_STEP)}
+             "fresh256": mapped(torch.zeros_like(tile_map), kv_step=fmha_v2_sage.FRESH_KV_STEP),
+             "reuse": mapped(fresh_map), "walk": mapped(every_tile), "reuse untested": mapped(fresh_map, test=False)}
     total = heads * -(-seq // 64) * kv_tiles
     gemm_flops = 2 * 64 * 128 * d
     quantize_ms = skip_reuse.timed(lambda: fmha_v2_sage.sage_quantize_packed(q, k, v, cu, seq, 0), args.iters)

@@ -202,7 +202,7 @@ def main(argv=None) -> None:
                        else fmha_v2_sage.REUSE_KV_STEP)
             fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), scale, k_block=0, kv_step=kv_step,
                                                 skip_factor=factor, skip_counts=counts if counting else None,
-                                                tile_map=tile_map, fresh_map=fresh)
+                                                tile_map=tile_map)
             return counts if counting else None
         reused = torch.zeros((), dtype=torch.int32, device="cuda")
         _, tested, _ = triton_sage.triton_sage_attention(

@@ -30,14 +30,12 @@ FP8 = AttnQuantSpec("fp8_e4m3")
 # ---------------------------------------------------------------- CPU: build, refusals, plumbing
 
 
-def test_the_tile_map_kernels_with_their_own_names_and_flag():
-    """A tile per 128-key step with Skip-Softmax's test, and without it for a map at factor 0 (the binding picks
-    it: its test would skip nothing); tile pairs per 256-key step with the test (flag value 2), for both."""
+def test_two_tile_map_kernels_with_their_own_names_and_flag():
+    """With Skip-Softmax's test, and without it for a map at factor 0 (the binding picks it: its test would skip
+    nothing)."""
     reuse = [k for k in fmha_v2_sage.sage_kernels() if k.reuse]
     assert reuse == [fmha_v2_sage.SageKernel(0, 128, True, reuse=True), fmha_v2_sage.SageKernel(0, 128, False,
-                                                                                              reuse=True),
-                     fmha_v2_sage.SageKernel(0, fmha_v2_sage.PAIRS_KV_STEP, True, reuse=True)]
-    assert [k.tile_pairs for k in reuse] == [False, False, True]
+                                                                                              reuse=True)]
     sources = fmha_v2_sage.kernel_sources()
     # and the Skip-Softmax kernel of 256-key steps that writes a zeroed map (a reuse window's first step)
     writer = [k for k in fmha_v2_sage.sage_kernels() if k.map_out]
@@ -45,8 +43,8 @@ def test_the_tile_map_kernels_with_their_own_names_and_flag():
     names = fmha_v2_sage.kernel_names(writer[0])
     assert all("skipSoftmax_tileMapOut_sage" in name for name in names) and "_64_256_S_" in names[0]
     assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP_OUT 1")
-    assert ("kv_step == 256 && skip == true && lse == false && tile_map == true && map_out == true) {\n    "
-            + names[1]) in sources["sage_kernels.h"]
+    assert ("kv_step == 256 && skip == true && lse == false && tile_map == true) {\n    " + names[1]
+            ) in sources["sage_kernels.h"]
     assert sum("DIFFUSERS_TRTLLM_TILE_MAP_OUT 1" in code for name, code in sources.items() if name.endswith(".cu")) == 1
     for kernel in reuse:
         plain = fmha_v2_sage.kernel_names(fmha_v2_sage.SageKernel(0, kernel.kv_step, kernel.skip_softmax))
@@ -55,18 +53,13 @@ def test_the_tile_map_kernels_with_their_own_names_and_flag():
         assert all(mark in name and ("skipSoftmax" in name) == kernel.skip_softmax for name in names)
         assert set(names).isdisjoint(plain)
         assert f"_64_{kernel.kv_step}_S_" in names[0]
-        assert sources[names[0]].startswith(f"#define DIFFUSERS_TRTLLM_TILE_MAP {2 if kernel.tile_pairs else 1} ")
+        assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP 1")
         skip = str(kernel.skip_softmax).lower()
-        assert (f"kv_step == {kernel.kv_step} && skip == {skip} && lse == false && tile_map == true && map_out == "
-                f"false) {{\n    " + names[1]) in sources["sage_kernels.h"]
+        assert (f"kv_step == {kernel.kv_step} && skip == {skip} && lse == false && tile_map == true) {{\n    "
+                + names[1]) in sources["sage_kernels.h"]
     assert sum("DIFFUSERS_TRTLLM_TILE_MAP 1" in code for name, code in sources.items() if name.endswith(".cu")) == 2
-    assert sum("DIFFUSERS_TRTLLM_TILE_MAP 2" in code for name, code in sources.items() if name.endswith(".cu")) == 1
     binding = fmha_v2_sage.BINDING_SOURCE.read_text()
-    # the test's kernel at factor > 0; at 0 the one without the test, but for tile pairs (one kernel); a map
-    # without its entry copy is written only
-    assert ("launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0 || (reuse && kv_step == 256);"
-            in binding)
-    assert "const bool writes_map_only = reuse && tile_map_entry.numel() == 0;" in binding
+    assert "launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0;" in binding
     # the headers: the map's pointers beside the skip statistics, the DMA's predicate, the kernels without a map
     # keeping FlashInfer's step by the preprocessor
     assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
@@ -103,7 +96,7 @@ def test_the_tile_map_kernels_with_their_own_names_and_flag():
     # the tile-map kernels call the softmax's max-and-vote and its exps apart (kept path in one block); the
     # preprocessor leaves FlashInfer's kernels the whole function
     assert compute.count(
-        "#elif DIFFUSERS_TRTLLM_TILE_MAP\n    // diffusers_trtllm: the vote first, the exps on the kept path "
+        "#if DIFFUSERS_TRTLLM_TILE_MAP\n    // diffusers_trtllm: the vote first, the exps on the kept path "
         "(Softmax::compute_and_update_scale)\n    if (!softmax.compute_max_and_vote<IS_FIRST_COL>(p_max, "
         "skip_softmax_vote)) {\n#else\n    if (!softmax.compute_and_update_scale<IS_FIRST_COL>(") == 1
     assert "#if DIFFUSERS_TRTLLM_TILE_MAP\n    softmax.compute_exps_and_update<IS_FIRST_COL>(p_max, p_sum);\n#endif" \
@@ -119,9 +112,6 @@ def test_the_tile_map_kernels_with_their_own_names_and_flag():
     vote_by_slot = epilogue[epilogue.index("bar.red.and.pred"):].split("#else\n", 1)[1].split("#endif\n", 1)[0]
     assert "atomicAnd(skip_softmax_vote" in vote_by_slot
     assert compute.count("#if !DIFFUSERS_TRTLLM_TILE_MAP\n    if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX) {") == 2
-    # tile pairs: their own loop and vote, by the preprocessor; a half's keys masked before the vote
-    assert compute.count("#if DIFFUSERS_TRTLLM_TILE_MAP == 2\n") == 2 and "#endif  // tile pairs" in compute
-    assert "softmax.mask_halves();\n    if (!softmax.compute_pair_max_and_vote<IS_FIRST_COL>(p_max)) {" in compute
 
 
 def _built_on_host(tmp_path, name, source, what):
@@ -149,19 +139,12 @@ struct Fused_multihead_attention_params_v2 {
   const uint32_t* tile_map_entry;
 };
 }  // namespace bert
-struct int2 {
-  int x, y;
-};
-static int2 make_int2(int x, int y) { return {x, y}; }
 struct Device {
-  static constexpr int STEP_KV = 256;  // the tile-pair kernel's (tiles_end)
 CURSOR
 };
 // stdin: a case count, then per case: words, own row and partner row (-1: none), start, the first masked step,
 // end, and the two rows' words. stdout per case: the DMA's loaded steps | the compute group's steps:reused | the
-// last step's next_loaded, walked as dma.h's KV loop and compute.h's two KV loops (TILE_MAP_STEP) walk them;
-// then, as tile pairs (steps are tiles), | the DMA's pairs | the compute group's pairs, each pair
-// first:reused,second:reused (second: the end where there is none), walked as dma.h's and compute.h's loops.
+// last step's next_loaded, walked as dma.h's KV loop and compute.h's two KV loops (TILE_MAP_STEP) walk them.
 int main() {
   int cases;
   if (scanf("%d", &cases) != 1) return 1;
@@ -196,25 +179,7 @@ int main() {
       if (s == end) break;
       printf("%d:%d ", s, step & 1);
     }
-    printf("|%d |", cursor.next_loaded(params, end - 1, start, end));
-    Device::Tile_map_cursor dma_pairs(own_row, partner_row);
-    for (int step = 0, from = start; step < (end - start + 1) / 2; ++step) {
-      int2 const pair = dma_pairs.next_pair(params, from, end, step == 0);
-      if ((pair.x >> 1) == end) break;
-      printf("%d:%d,%d:%d ", pair.x >> 1, pair.x & 1, pair.y >> 1, pair.y & 1);
-      from = (pair.y >> 1) + 1;
-    }
-    printf("|");
-    Device::Tile_map_cursor compute_pairs(own_row, partner_row);
-    int2 pair = compute_pairs.next_pair(params, start, end, true);
-    int2 following = compute_pairs.next_pair(params, (pair.y >> 1) + 1, end, false);
-    printf("%d:%d,%d:%d ", pair.x >> 1, pair.x & 1, pair.y >> 1, pair.y & 1);
-    while ((following.x >> 1) < end) {
-      pair = following;
-      following = compute_pairs.next_pair(params, (pair.y >> 1) + 1, end, false);
-      printf("%d:%d,%d:%d ", pair.x >> 1, pair.x & 1, pair.y >> 1, pair.y & 1);
-    }
-    printf("\n");
+    printf("|%d\n", cursor.next_loaded(params, end - 1, start, end));
   }
   return 0;
 }
@@ -253,13 +218,8 @@ def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
         loaded = [start] + [s for s in range(start + 1, end) if not (own_bits[s] and partner_bits[s])]
         packed = [sum(bit << j for j, bit in enumerate(row[32 * w:32 * w + 32])) for row in rows for w in range(words)]
         cases.append(" ".join(map(str, (words, own, partner, start, mask_start, end, *packed))))
-        # tile pairs: the tiles one row does not reuse, two per step (a lone last one with the end), or the
-        # start's tile for both rows to reuse where there is none
-        to_load = [s for s in range(start, end) if not (own_bits[s] and partner_bits[s])] or [start]
-        pairs = " ".join(f"{a}:{int(own_bits[a])},{b}:{int(b < end and own_bits[b])}"
-                         for a, b in zip(to_load[::2], to_load[1::2] + [end]))
         expected.append(" ".join(map(str, loaded)) + " |" + " ".join(f"{s}:{int(own_bits[s])}" for s in loaded)
-                        + f" |{end - 1 if loaded[-1] == end - 1 else end} |{pairs} |{pairs} ")
+                        + f" |{end - 1 if loaded[-1] == end - 1 else end}")
     walked = subprocess.run([str(program)], input=f"{len(cases)}\n" + "\n".join(cases) + "\n",
                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert walked == expected
@@ -341,16 +301,14 @@ def test_a_tile_map_of_2_31_words_is_refused_before_any_work():
     tile_map = torch.empty(fmha_v2_sage.tile_map_shape((seq,), (seq,), heads), dtype=torch.int32, device="meta")
     assert tile_map.numel() >= 2 ** 31
     with pytest.raises(ValueError, match=rf"tile_map has {tile_map.numel()} words; .* 32-bit offsets"):
-        fmha_v2_sage._check_tile_map(tile_map, q, (seq,), None, 0, fmha_v2_sage.REUSE_KV_STEP, False, 1.0, False)
+        fmha_v2_sage._check_tile_map(tile_map, q, (seq,), None, 0, fmha_v2_sage.REUSE_KV_STEP, False, 1.0)
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(k_block=64), r"k_block=0, kv_step=128 or 256 \(a fresh_map: kv_step=256 with skip_factor > 0, the map "
-                       r"written\) and no return_lse; got k_block=64"),
-    # a fresh map is written by the Skip-Softmax kernel, testing every tile: without the test nothing is written
-    (dict(kv_step=256, skip_factor=0.0, fresh_map=True), "got k_block=0, kv_step=256, skip_factor=0.0, fresh_map=True"),
-    (dict(kv_step=128, fresh_map=True), "got k_block=0, kv_step=128, skip_factor=1.0, fresh_map=True"),
-    (dict(kv_step=512), "got k_block=0, kv_step=512"),
+    (dict(k_block=64), r"k_block=0, kv_step=128 \(or kv_step=256 with skip_factor > 0: a zeroed map written\) "
+                       r"and no return_lse; got k_block=64"),
+    # 256-key steps write a zeroed map, testing every tile: without the test there is nothing to write
+    (dict(kv_step=256, skip_factor=0.0), "got k_block=0, kv_step=256, skip_factor=0.0"),
     (dict(kv_step=256, k_block=64), "got k_block=64, kv_step=256"),
     (dict(return_lse=True), "return_lse=True"),
     (dict(skip_counts=torch.zeros(1, dtype=torch.int32)), r"int32 \[2\] tensor on cpu \(with a tile map: tested"),
@@ -400,7 +358,7 @@ def test_the_binding_gets_a_copy_of_the_map_and_the_map_itself(monkeypatch):
     seen.clear()
     fmha_v2_sage.sage_attention_packed(packed, torch.tensor([0, tokens], dtype=torch.int32), (tokens,), heads,
                                        SCALE, 1.0, fmha_v2_sage.FRESH_KV_STEP, torch.zeros(1, dtype=torch.int32),
-                                       None, tile_map, fresh_map=True)
+                                       None, tile_map)
     assert seen[11].numel() == 0 and seen[12] is tile_map and seen[18] == fmha_v2_sage.FRESH_KV_STEP
 
 
@@ -440,7 +398,6 @@ def test_the_hopper_sage_route_runs_a_reuse_plan_with_its_map_and_reports_both_c
     assert (result.tile_map is tile_map) if tile_map is not None else not result.tile_map.any()
     kv_step = fmha_v2_sage.FRESH_KV_STEP if plan.fresh_map else fmha_v2_sage.REUSE_KV_STEP
     assert seen["k_block"] == fmha_v2_sage.REUSE_K_BLOCK and seen["kv_step"] == kv_step
-    assert seen["fresh_map"] == plan.fresh_map
     assert int(result.skipped_tiles) == 7 and int(result.reused_tiles) == (2 * torch.tensor(shape).prod()
                                                                            if given == "plan-map" else 0)
     assert result.total_tiles == fmha_v2_sage.skip_tiles((164, 300), 4)
@@ -507,13 +464,6 @@ def _map_of(tiles, qkv):
     return pack_tile_map(tiles, -(-tiles.shape[-1] // 32)).to(qkv.q.device)
 
 
-@pytest.fixture(params=[fmha_v2_sage.TILE_KV_STEP, fmha_v2_sage.PAIRS_KV_STEP], ids=["tile-per-step", "tile-pairs"])
-def reuse_kv_step(request, monkeypatch):
-    """Each tile-map kernel as the one the route runs: a tile per 128-key step, tile pairs per 256-key step."""
-    monkeypatch.setattr(fmha_v2_sage, "REUSE_KV_STEP", request.param)
-    return request.param
-
-
 # 4,500 keys: 36 KV tiles, two map words per query tile (the words past the first are read and written)
 SHAPES = {"self": ((1100, 300, 4500), (1100, 300, 4500)), "fewer-queries": ((600, 1000), (1700, 4500))}
 
@@ -558,7 +508,7 @@ def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", SHAPES.values(), ids=SHAPES.keys())
-def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths, reuse_kv_step):
+def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths):
     _hopper()
     qkv = peaky_qkv(*lengths, 8, 2)
     # the previous step's map at a larger λ: it skips tiles this step's test would keep
@@ -574,7 +524,7 @@ def test_gpu_a_reused_map_skips_its_tiles_as_the_reference_does(lengths, reuse_k
 
 
 @pytest.mark.gpu
-def test_gpu_steps_every_query_tile_reuses_are_never_read(reuse_kv_step):
+def test_gpu_steps_every_query_tile_reuses_are_never_read():
     """K and V of 256 keys (two tiles) that every query tile reuses are set to NaN after quantization: the output
     is bit for bit the one with intact K and V, so those keys were neither loaded nor multiplied."""
     _hopper()
@@ -610,7 +560,7 @@ def test_gpu_steps_every_query_tile_reuses_are_never_read(reuse_kv_step):
 
 
 @pytest.mark.gpu
-def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles(reuse_kv_step):
+def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles():
     _hopper()
     qkv = peaky_qkv((1100, 300, 4500), (1100, 300, 4500), 8, 2, seed=6)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 8)
@@ -626,7 +576,7 @@ def test_gpu_a_random_map_with_a_tiny_threshold_skips_only_the_maps_tiles(reuse_
 
 
 @pytest.mark.gpu
-def test_gpu_a_map_at_factor_0_skips_its_tiles_without_the_test(reuse_kv_step):
+def test_gpu_a_map_at_factor_0_skips_its_tiles_without_the_test():
     """Factor 0 runs the tile-map kernel without Skip-Softmax's test: it skips the map's tiles as the kernel with
     the test does at a threshold that skips nothing, leaves the map as it was and counts what it reused."""
     _hopper()
@@ -697,7 +647,7 @@ def _drift_case(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", DRIFT_CASES)
-def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case, reuse_kv_step):
+def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case):
     """Reused tiles beside tiles the test skips, on maps whose bits moved as between denoising steps (the first
     step's too, which the kernel's own maps never hold): the kernel finishes and decides as the reference. Each
     case runs in a child process, so that a stalled kernel fails the case instead of hanging the session."""
@@ -707,8 +657,7 @@ def test_gpu_a_drifted_map_with_the_test_skipping_finishes(case, reuse_kv_step):
 
     _hopper()
     tests = pathlib.Path(__file__).parent
-    code = (f"import test_fmha_v2_reuse as t; t.fmha_v2_sage.REUSE_KV_STEP = {reuse_kv_step}; "
-            f"t._drift_case({case!r})")
+    code = f"import test_fmha_v2_reuse as t; t._drift_case({case!r})"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
     try:
         proc = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True,

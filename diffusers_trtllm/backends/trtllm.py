@@ -204,8 +204,8 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, more_queries) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
         kv_step = FMHA_V2_KV_STEP
-        if reuse:  # the tile-map kernels decide tile by tile in key order, as one tile per step does
-            kv_step = fmha_v2_sage.FRESH_KV_STEP if fresh_map else fmha_v2_sage.SKIP_TILE[1]
+        if reuse:
+            kv_step = fmha_v2_sage.FRESH_KV_STEP if fresh_map else fmha_v2_sage.REUSE_KV_STEP
         semantics = fmha_v2_sage_semantics(k_block, kv_step)
         kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
     else:
@@ -355,16 +355,14 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
     if semantics.q_block == fmha_v2_sage.Q_BLOCK:
         # with reuse the kernel always counts: the result reports the tiles skipped by the test and by reuse
         tile_map = tile_map_for(plan, qkv, fmha_v2_sage.SKIP_TILE)
-        fresh_map = tile_map is not None and plan.fresh_map  # else a map to reuse runs on the tile-map kernel
         counting = (plan.count_skips and plan.skips) or tile_map is not None
         skipped = (torch.zeros(1 if tile_map is None else 2, dtype=torch.int32, device=qkv.q.device)
                    if counting else None)
         result = fmha_v2_sage.fmha_v2_sage_attention(
             qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), tuple(qkv.seqlens_kv), plan.scale,
             cu_seqlens_q=qkv.cu_seqlens("q"), seqlens_q=tuple(qkv.seqlens_q), k_block=semantics.k_block,
-            kv_step=fmha_v2_sage.REUSE_KV_STEP if tile_map is not None and not fresh_map else semantics.kv_step,
-            skip_factor=plan.skip_factor, skip_counts=skipped, return_lse=plan.return_lse, tile_map=tile_map,
-            fresh_map=fresh_map)
+            kv_step=semantics.kv_step, skip_factor=plan.skip_factor, skip_counts=skipped, return_lse=plan.return_lse,
+            tile_map=tile_map)
         out, lse = result if plan.return_lse else (result, None)
         if not counting:
             return KernelResult(out, lse=lse)

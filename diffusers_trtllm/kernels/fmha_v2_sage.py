@@ -20,17 +20,13 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   row's ``exp(tile_max - running_max) < skip_factor / kv_len``, with ``running_max`` the one at the start of the
   KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart
   (``half_step_skip.patch``), or 128); the first KV step is never skipped;
-- Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in separate
-  kernels (``tile_map_reuse.patch``): at :data:`TILE_KV_STEP` keys per step, one tile, so that a reused tile
+- Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in a separate
+  kernel (``tile_map_reuse.patch``) at :data:`REUSE_KV_STEP` keys per step, one tile, so that a reused tile
   costs its warpgroup nothing whatever its neighbour does: the map's tiles are skipped untested, without their
   K/V loads where both warpgroups of a CTA reuse them, the others tested as above, and the tiles the test skipped
   are added to the map; at ``skip_factor`` 0 a second tile-map kernel without the test computes the others and
-  leaves the map as it was. Tile pairs (:data:`PAIRS_KV_STEP`): each 256-key step loads two tiles that one of
-  the CTA's query tiles does not reuse, wherever they lie, and masks for each warpgroup the half it reuses; its
-  decisions are a tile per step's (each tile tested in key order against the running max after the tiles
-  before it), only P's fp8 rounding is per pair. A zeroed map (a reuse window's first step: every tile tested)
-  runs at 256-key steps instead, on the Skip-Softmax kernel that also writes the tiles it skips into the map
-  (:data:`FRESH_KV_STEP`).
+  leaves the map as it was. A zeroed map (a reuse window's first step: every tile tested) runs at 256-key steps
+  instead, on the Skip-Softmax kernel that also writes the tiles it skips into the map (:data:`FRESH_KV_STEP`).
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
 every sequence with as many queries as keys, and V already transposed (``v_layout.patch``). A sequence with fewer
@@ -92,25 +88,14 @@ class SageKernel:
         """Whether the kernel takes a tile map (reads it, or writes a zeroed one)."""
         return self.reuse or self.map_out
 
-    @property
-    def tile_pairs(self) -> bool:
-        """Whether the kernel reuses a map two tiles per 256-key step: any two tiles the map leaves it to load
-        (compiled with ``DIFFUSERS_TRTLLM_TILE_MAP`` 2), where the one of 128-key steps takes one tile per step."""
-        return self.reuse and self.kv_step == 256
-
 
 # KV step of the kernels that write softmax statistics: the one TRTLLM_ATTN runs (128-key steps serve benchmarks)
 LSE_KV_STEP = 256
 
 
-# The tile-map kernel the route runs: K block 0 (the route's default) at one tile per KV step. An earlier 256-key
-# twin, each step a fixed pair of tiles, was slower at Wan's size and stalled on drifted maps (benchmarks/RESULTS.md,
-# 2026-12-05); the tile-pair kernel below takes any two tiles to load instead.
-REUSE_K_BLOCK, TILE_KV_STEP = 0, 128
-REUSE_KV_STEP = TILE_KV_STEP  # the tile-map kernel's step that the route runs (the built kernels do not follow it)
-# The tile-map kernel of tile pairs: each 256-key step holds two 128-key tiles the map leaves to load, the tiles
-# decided as at one tile per step; the Skip-Softmax kernel serves skip_factor 0 too (it then skips nothing).
-PAIRS_KV_STEP = 256
+# The tile-map kernel: K block 0 (the route's default) at one tile per KV step. Its 256-key twin was slower at
+# Wan's size and stalled on drifted maps (benchmarks/RESULTS.md, 2026-12-05), so it is not built.
+REUSE_K_BLOCK, REUSE_KV_STEP = 0, 128
 # A zeroed map (every tile tested, the map written) runs on the Skip-Softmax kernel of this KV step, which also
 # writes the map: the 256-key kernel was faster than the tile-map kernel from a zeroed map (benchmarks/RESULTS.md)
 FRESH_KV_STEP = 256
@@ -120,14 +105,13 @@ def sage_kernels() -> tuple[SageKernel, ...]:
     """Every kernel the module builds: each compiled K block and KV step, with and without Skip-Softmax (K block
     128 at KV step 256 only: it exists for the block-size sweep), at :data:`LSE_KV_STEP` each of those again
     writing the softmax statistics (a separate kernel: the others stay as they were), and the kernels at
-    :data:`REUSE_K_BLOCK` and :data:`TILE_KV_STEP`, with and without Skip-Softmax, again reusing a tile map (the
+    :data:`REUSE_K_BLOCK` and :data:`REUSE_KV_STEP`, with and without Skip-Softmax, again reusing a tile map (the
     one without runs a map at ``skip_factor`` 0: it skips the map's tiles and tests nothing), and the Skip-Softmax
     kernel at :data:`REUSE_K_BLOCK` and :data:`FRESH_KV_STEP` again writing the tiles it skips into a zeroed map."""
     plain = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
                   for skip in (False, True) if not (k_block == 128 and kv_step != 256))
     return (plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
-            + tuple(SageKernel(REUSE_K_BLOCK, TILE_KV_STEP, skip, reuse=True) for skip in (True, False))
-            + (SageKernel(REUSE_K_BLOCK, PAIRS_KV_STEP, True, reuse=True),)
+            + tuple(SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, skip, reuse=True) for skip in (True, False))
             + (SageKernel(REUSE_K_BLOCK, FRESH_KV_STEP, True, map_out=True),))
 
 
@@ -270,14 +254,13 @@ def kernel_sources() -> dict[str, str]:
     for kernel in sage_kernels():
         file_name, launcher, kernel_name = kernel_names(kernel)
         code = padding_mask_only(get_kernel_code(kernel_spec(kernel), kernel_name, launcher))
-        define = ("DIFFUSERS_TRTLLM_TILE_MAP_OUT 1" if kernel.map_out else
-                  f"DIFFUSERS_TRTLLM_TILE_MAP {2 if kernel.tile_pairs else 1}" if kernel.reuse else None)
-        sources[file_name] = f"#define {define}  // tile_map_reuse.patch\n" + code if define else code
+        define = ("DIFFUSERS_TRTLLM_TILE_MAP_OUT" if kernel.map_out else "DIFFUSERS_TRTLLM_TILE_MAP"
+                  if kernel.reuse else None)
+        sources[file_name] = f"#define {define} 1  // tile_map_reuse.patch\n" + code if define else code
         declarations.append(f"void {launcher}(Params& params, const Launch_params& launch, cudaStream_t stream);")
         branches.append(f"  if (q_block == {Q_BLOCK} && k_block == {kernel.k_block} && kv_step == {kernel.kv_step} "
                         f"&& skip == {str(kernel.skip_softmax).lower()} && lse == {str(kernel.lse).lower()} "
-                        f"&& tile_map == {str(kernel.tile_map).lower()} && map_out == {str(kernel.map_out).lower()}) "
-                        "{\n"
+                        f"&& tile_map == {str(kernel.tile_map).lower()}) {{\n"
                         f"    {launcher}(params, launch, stream);\n    return true;\n  }}")
     sources["sage_kernels.h"] = "\n".join([
         "// Generated by diffusers_trtllm/kernels/fmha_v2_sage.py.",
@@ -287,7 +270,6 @@ def kernel_sources() -> dict[str, str]:
         "using Launch_params = bert::Fused_multihead_attention_launch_params;",
         *declarations,
         "inline bool launch_sage_kernel(int q_block, int k_block, int kv_step, bool skip, bool lse, bool tile_map,",
-        "                               bool map_out,",
         "                               Params& params, const Launch_params& launch, cudaStream_t stream) {",
         *branches,
         "  return false;",
@@ -431,15 +413,15 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
                           scale: float, skip_factor: float = 0.0, kv_step: int = 256,
                           skip_counts: torch.Tensor | None = None,
                           softmax_stats: torch.Tensor | None = None,
-                          tile_map: torch.Tensor | None = None, fresh_map: bool = False) -> torch.Tensor:
+                          tile_map: torch.Tensor | None = None) -> torch.Tensor:
     """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output, ``cu_seqlens`` / ``seqlens`` its key
     lengths. Returns ``[T, Hq, 128]`` bf16 at the keys' layout (the rows of zero queries included) with V's
     per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i);
     ``skip_counts`` (an int32 ``[1]`` view, :func:`fmha_v2_sage_attention`) receives the tiles its test skipped;
     ``softmax_stats`` (``[T, Hq, 2]`` float32, at :data:`LSE_KV_STEP`) each row's statistics
     (:func:`~.flashinfer_calls.fmha_v2_stats_lse`); ``tile_map`` (:func:`fmha_v2_sage_attention`, checked there)
-    runs the tile-map kernel, which reads a copy of it taken here and updates it in place, or where
-    ``fresh_map`` (a zeroed map) the map-writing kernel, which reads none of it."""
+    runs the tile-map kernel, which reads a copy of it taken here and updates it in place, or at
+    :data:`FRESH_KV_STEP` the map-writing kernel, which reads none of it."""
     device = packed.qk.device
     heads_kv = packed.qk.shape[1] - heads_q
     out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -451,7 +433,7 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
     # The kernel decides from the map as it was on entry while it ORs skipped tiles into the map: a warpgroup
     # running ahead must not change the words its partner and the DMA warp still read. Empty: no map, or the
     # map-writing kernel's, which reads none.
-    reads_map = tile_map is not None and not fresh_map
+    reads_map = tile_map is not None and kv_step != FRESH_KV_STEP
     tile_map_entry = tile_map.clone() if reads_map else torch.empty(0, dtype=torch.int32, device=device)
     tile_map = tile_map_entry if tile_map is None else tile_map
     # the kernel reads V's scales per query head
@@ -468,8 +450,8 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            seqlens: tuple[int, ...], scale: float, *, cu_seqlens_q: torch.Tensor | None = None,
                            seqlens_q: tuple[int, ...] | None = None, k_block: int = 64, kv_step: int = 256,
                            skip_factor: float = 0.0, skip_counts: torch.Tensor | None = None,
-                           return_lse: bool = False, tile_map: torch.Tensor | None = None,
-                           fresh_map: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                           return_lse: bool = False,
+                           tile_map: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SAGE attention (FP8 e4m3 Q/K/V, per-block Q/K scales, per-channel V) with optional Skip-Softmax on
     Hopper through TRT-LLM FMHAv2's warp-specialized kernel; quantization included.
 
@@ -493,17 +475,16 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     (no Q·Kᵀ, exps or P·V for the query tile, no K/V load where both warpgroups' query tiles reuse the tile),
     tests the others as without a map, and sets the bits of the tiles its test skipped (updated in place; zero
     the map for a step that tests every tile). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step``
-    :data:`TILE_KV_STEP` (a tile per step) or :data:`PAIRS_KV_STEP` (tile pairs: each step two tiles the map
-    leaves to load, decided as a tile per step decides them, in key order), no ``return_lse``; ``skip_factor`` 0
-    skips the map's tiles only. ``fresh_map`` (``kv_step`` :data:`FRESH_KV_STEP`, ``skip_factor`` > 0): the map
-    is zeroed (a reuse window's first step): the Skip-Softmax kernel of that step tests every tile, reads none of
-    the map and sets the bits of the tiles it skipped, each 128-key half of a step decided against the running
-    max at the step's start as without a map. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped,
-    tiles reused: the bits set on entry, 0 for a zeroed map). GPUs: sm_90 (H100/H200); the first call on a
-    machine compiles the kernels (see :func:`load_module`).
+    :data:`REUSE_KV_STEP`, no ``return_lse``; ``skip_factor`` 0 skips
+    the map's tiles only. At ``kv_step`` :data:`FRESH_KV_STEP` (``skip_factor`` > 0) the map must be zeroed (a
+    reuse window's first step): the Skip-Softmax kernel of that step tests every tile, reads none of the map and
+    sets the bits of the tiles it skipped, each 128-key half of a step decided against the running max at the
+    step's start as without a map. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused:
+    the bits set on entry, 0 for a zeroed map). GPUs: sm_90 (H100/H200); the first call on a machine compiles the
+    kernels (see :func:`load_module`).
     """
     if tile_map is not None:
-        _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse, skip_factor, fresh_map)
+        _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse, skip_factor)
     if not any(k.k_block == k_block and k.kv_step == kv_step and k.lse == return_lse for k in sage_kernels()):
         raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r}{' and return_lse' if return_lse else ''} "
                          "has no compiled FMHAv2 SAGE kernel; compiled (k_block, kv_step, return_lse): "
@@ -527,10 +508,10 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block,
                                   cu_seqlens_q if padded else None, max(seqlens_q) if padded else None)
     stats = torch.empty(k.shape[0], q.shape[1], 2, dtype=torch.float32, device=q.device) if return_lse else None
-    if skip_counts is not None and tile_map is not None and not fresh_map:
+    if skip_counts is not None and tile_map is not None and kv_step != FRESH_KV_STEP:
         skip_counts[1:].add_(bits_set(tile_map).sum().to(torch.int32))  # reused: the bits set on entry
     out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step,
-                                None if skip_counts is None else skip_counts[:1], stats, tile_map, fresh_map)
+                                None if skip_counts is None else skip_counts[:1], stats, tile_map)
     out = drop_padded_queries(out, seqlens_q, tuple(seqlens)) if padded else out
     if not return_lse:
         return out
@@ -556,7 +537,7 @@ def tile_map_shape(seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], head
 
 def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int, ...],
                     seqlens_q: tuple[int, ...] | None, k_block: int, kv_step: int, return_lse: bool,
-                    skip_factor: float, fresh_map: bool) -> None:
+                    skip_factor: float) -> None:
     """Raise ValueError unless ``tile_map`` fits :func:`fmha_v2_sage_attention`'s call (its docstring)."""
     shape = tile_map_shape(tuple(seqlens if seqlens_q is None else seqlens_q), tuple(seqlens), q.shape[1])
     if tile_map.dtype != torch.int32 or tuple(tile_map.shape) != shape or not tile_map.is_contiguous():
@@ -568,13 +549,12 @@ def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int,
     if tile_map.numel() >= 2 ** 31:
         raise ValueError(f"tile_map has {tile_map.numel()} words; the kernel addresses its rows with 32-bit offsets "
                          f"(fewer than 2^31 words): split the batch or its heads into several calls")
-    runs = (kv_step == FRESH_KV_STEP and skip_factor > 0 if fresh_map
-            else kv_step in (TILE_KV_STEP, PAIRS_KV_STEP))
-    if k_block != REUSE_K_BLOCK or not runs or return_lse:
-        raise ValueError(f"a tile map runs on the kernels with k_block={REUSE_K_BLOCK}, kv_step={TILE_KV_STEP} or "
-                         f"{PAIRS_KV_STEP} (a fresh_map: kv_step={FRESH_KV_STEP} with skip_factor > 0, the map "
-                         f"written) and no return_lse; got k_block={k_block}, kv_step={kv_step}, skip_factor="
-                         f"{skip_factor}, fresh_map={fresh_map}, return_lse={return_lse}")
+    fresh = kv_step == FRESH_KV_STEP and skip_factor > 0
+    if k_block != REUSE_K_BLOCK or not (kv_step == REUSE_KV_STEP or fresh) or return_lse:
+        raise ValueError(f"a tile map runs on the kernel with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} "
+                         f"(or kv_step={FRESH_KV_STEP} with skip_factor > 0: a zeroed map written) and no "
+                         f"return_lse; got k_block={k_block}, kv_step={kv_step}, skip_factor={skip_factor}, "
+                         f"return_lse={return_lse}")
 
 
 def smoothing_shift(q: torch.Tensor, k: torch.Tensor, seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...],

@@ -43,11 +43,10 @@ uint32_t float_bits(float value) {
 //               Softmax_saver_tma), written by the kernels built with softmax statistics; empty: the kernels
 //               without them run
 // tile_map_entry, tile_map: int32 [batch, heads_q, query tiles, ceil(ceil(max_seqlen / 128) / 32)], contiguous,
-//               Skip-Softmax reuse (tile_map_reuse.patch): the tile-map kernels (kv_step 128: a tile per step;
-//               256: tile pairs) skip the tiles set in tile_map_entry (the caller's copy of tile_map) untested
-//               and OR those their test skips into tile_map; with tile_map_entry empty, the map-writing kernel
-//               (kv_step 256, Skip-Softmax) ORs the tiles it skips into a zeroed tile_map and reads no map; both
-//               empty: the kernels without a map
+//               Skip-Softmax reuse (tile_map_reuse.patch): the tile-map kernel (kv_step 128) skips the tiles set
+//               in tile_map_entry (the caller's copy of tile_map) untested and ORs those its test skips into
+//               tile_map; the map-writing kernel (kv_step 256, Skip-Softmax) ORs the tiles it skips into a
+//               zeroed tile_map and reads no map (tile_map_entry empty); both empty: the kernels without a map
 void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_starts, ffi::TensorView out,
                     ffi::TensorView q_scale, ffi::TensorView k_scale, ffi::TensorView v_scale,
                     ffi::TensorView cu_seqlens, ffi::TensorView tile_counter, ffi::TensorView skip_counts,
@@ -79,11 +78,12 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   const int64_t total_tokens = qk.shape()[0];
   const int64_t batch = cu_seqlens.shape()[0] - 1;
   const bool reuse = tile_map.numel() > 0;
-  const bool writes_map_only = reuse && tile_map_entry.numel() == 0;  // the map-writing kernel: no entry map
+  const bool writes_map_only = reuse && kv_step == 256;  // the map-writing kernel: no entry map
   if (reuse) {
     const int64_t words = ((max_seqlen + 127) / 128 + 31) / 32;
     for (const ffi::TensorView* map : {&tile_map_entry, &tile_map}) {
       if (writes_map_only && map == &tile_map_entry) {
+        TVM_FFI_ICHECK_EQ(map->numel(), 0) << "the map-writing kernel (kv_step 256) reads no tile_map_entry";
         continue;
       }
       TVM_FFI_ICHECK(map->dtype() == dl_int32 && map->ndim() == 4 && map->shape()[0] == batch &&
@@ -93,9 +93,9 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
       TVM_FFI_ICHECK(map->shape()[2] == tile_map.shape()[2]) << "tile_map_entry and tile_map differ in shape";
     }
     const bool skips = skip_softmax_threshold_scale_factor > 0.0;
-    TVM_FFI_ICHECK(q_block == 64 && (writes_map_only ? kv_step == 256 && skips : kv_step == 128 || kv_step == 256))
-        << "tile maps need 64-query steps of 128 keys (one tile) or 256 (tile pairs), or, written only (no "
-           "tile_map_entry), of 256 keys with Skip-Softmax";
+    TVM_FFI_ICHECK(q_block == 64 && (kv_step == 128 || (writes_map_only && skips)))
+        << "tile maps need 64-query steps of 128 keys (one tile), or of 256 keys with Skip-Softmax (the map "
+           "written only)";
   }
   TVM_FFI_ICHECK(v_scale.ndim() == 3 && v_scale.shape()[0] == batch && v_scale.shape()[1] == heads_q &&
                  v_scale.shape()[2] == head_dim && v_scale.IsContiguous())
@@ -162,16 +162,15 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   launch.attention_input_layout = fmha::Attention_input_layout::PACKED_QKV;
   launch.total_q_seqlen = static_cast<int>(total_tokens);
   launch.total_kv_seqlen = static_cast<int>(batch * max_seqlen);
-  // a tile map at factor 0 runs the tile-map kernel without the test (it would skip nothing), except with tile
-  // pairs, whose one kernel has the test (at factor 0 it skips nothing)
-  launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0 || (reuse && kv_step == 256);
+  // a tile map at factor 0 runs the tile-map kernel without the test (it would skip nothing)
+  launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0;
   FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.multi_processor_count, cudaDevAttrMultiProcessorCount, device));
   FMHA_CHECK_CUDA(cudaDeviceGetAttribute(&launch.device_l2_cache_size, cudaDevAttrL2CacheSize, device));
 
   cudaStream_t stream = get_stream(qk.device());
   TVM_FFI_ICHECK(launch_sage_kernel(static_cast<int>(q_block), static_cast<int>(k_block),
                                     static_cast<int>(kv_step), launch.enable_skip_softmax, save_stats, reuse,
-                                    writes_map_only, params, launch, stream))
+                                    params, launch, stream))
       << "no SAGE kernel was built for q_block " << q_block << ", k_block " << k_block << ", kv_step " << kv_step
       << ", skip-softmax " << launch.enable_skip_softmax << ", softmax statistics " << save_stats << ", tile map "
       << reuse;
