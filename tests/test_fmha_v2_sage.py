@@ -73,7 +73,7 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
     patches = fmha_v2_sage.header_patch_files()
-    assert sum(len(fmha_v2_sage.read_patch(patch)) for patch in patches) == 51
+    assert sum(len(fmha_v2_sage.read_patch(patch)) for patch in patches) == 52
     # each hunk's text is in the headers once its patch is applied (a later patch may rewrite it: the tile-map
     # patch rewrites lines of the skip patches), and the build reads the headers with every patch applied
     for applied in range(1, len(patches) + 1):
@@ -120,9 +120,9 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "b1239fe211fbb60d5ee750e16446dc33c3ac560965bacb3c62ec67c0e71ccfcc"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "2cc304fbcd515ed2925e3bcc68d6ed1a7129cfc293a53c849c1660d732acc099"),
-    "0.7.4": "bde42d6fbd00513b962a9a8094869013b4f8f0505aededbc7f714e6f7fe7f342",
+                    "97d8d9266ad568cbbead8cc54e78565a128c1d8fc4f9920d04ed09cc62e3332f"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "7baa6fcd5ed46a890f4075534b7053d78e18cf5bc5a8a949f736aa5118e3449b"),
+    "0.7.4": "bfcc847ab59e9d2b9421ba0280fb615e79a3a96e55fc76ef9de437cfd4debc07",
 }
 
 
