@@ -125,12 +125,12 @@ def test_the_map_kernels_leave_the_output_unscaled_only_where_no_row_of_the_warp
              "      // diffusers_trtllm (tile_map_reuse.patch): where no row of the warp has a new max")
     assert epilogue.count(guard) == 1
     fp8_pack = epilogue.split("(tmp_14, tmp_15, tmp_16, tmp_17);\n    }\n\n    if (!IS_FIRST_COL) {\n", 1)[1]
-    guarded = fp8_pack.split("#endif\n// Correct accumulators to current max.", 1)[0]
+    guarded, products = fp8_pack.split("#endif\n// Correct accumulators to current max.", 1)
     assert guarded.startswith(guard)
     assert ("      bool rescale = false;\n#pragma unroll\n      for (int mi = 0; mi < Mma_tile_o::CORES_M; mi++) {\n"
             "        rescale |= this->correction_[mi] != 1.f;\n      }\n"
             "      if (__any_sync(0xffffffffu, rescale)) {\n") in guarded
-    products = fp8_pack.split("#endif\n// Correct accumulators to current max.", 1)[1].split("} else {", 1)[0]
+    products = products.split("} else {", 1)[0]
     assert products.count('asm volatile("mul.f32 %0, %0, %1;\\n"') == 2
     assert products.endswith("      }\n#if DIFFUSERS_TRTLLM_TILE_MAP || DIFFUSERS_TRTLLM_TILE_MAP_OUT\n      }\n"
                              "#endif\n    ")
