@@ -114,28 +114,6 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     assert compute.count("#if !DIFFUSERS_TRTLLM_TILE_MAP\n    if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX) {") == 2
 
 
-def test_the_map_kernels_leave_the_output_unscaled_only_where_no_row_of_the_warp_has_a_new_max():
-    # FMHAv2's Softmax classes each scale the output accumulators by every row's correction before P·V; in the
-    # fp8 one (the SAGE kernels') the kernels with a map, read or written, skip that where the warp's every row
-    # kept its max (each correction exactly 1): the vote must cover all of the thread's rows, and the kernels
-    # without a map keep FlashInfer's unconditional products
-    epilogue = fmha_v2_sage.patched_headers()["fmha/warpspec/epilogue.h"]
-    assert epilogue.count("// Correct accumulators to current max.") == 4
-    guard = ("#if DIFFUSERS_TRTLLM_TILE_MAP || DIFFUSERS_TRTLLM_TILE_MAP_OUT\n"
-             "      // diffusers_trtllm (tile_map_reuse.patch): where no row of the warp has a new max")
-    assert epilogue.count(guard) == 1
-    fp8_pack = epilogue.split("(tmp_14, tmp_15, tmp_16, tmp_17);\n    }\n\n    if (!IS_FIRST_COL) {\n", 1)[1]
-    guarded, products = fp8_pack.split("#endif\n// Correct accumulators to current max.", 1)
-    assert guarded.startswith(guard)
-    assert ("      bool rescale = false;\n#pragma unroll\n      for (int mi = 0; mi < Mma_tile_o::CORES_M; mi++) {\n"
-            "        rescale |= this->correction_[mi] != 1.f;\n      }\n"
-            "      if (__any_sync(0xffffffffu, rescale)) {\n") in guarded
-    products = products.split("} else {", 1)[0]
-    assert products.count('asm volatile("mul.f32 %0, %0, %1;\\n"') == 2
-    assert products.endswith("      }\n#if DIFFUSERS_TRTLLM_TILE_MAP || DIFFUSERS_TRTLLM_TILE_MAP_OUT\n      }\n"
-                             "#endif\n    ")
-
-
 def _built_on_host(tmp_path, name, source, what):
     """``source`` compiled for the host with g++ (C++17) as the program ``tmp_path / name``; skips the test where
     no host C++ compiler is (``what``: what it builds, for the reason)."""

@@ -113,16 +113,39 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     assert includes[0] == "-I/generated" and any(flag.endswith("fmha_v2") for flag in includes[1:])
 
 
+def test_fp8_kernels_leave_the_output_unscaled_only_where_no_row_of_the_warp_has_a_new_max():
+    # FMHAv2's Softmax classes each scale the output accumulators by every row's correction before P·V; the fp8
+    # one (every SAGE kernel's) skips that where the warp's every row kept its max (each correction exactly 1):
+    # the vote covers all of the thread's rows, guards both products of every accumulator, and the fp16/bf16
+    # classes keep FlashInfer's unconditional products
+    epilogue = fmha_v2_sage.patched_headers()["fmha/warpspec/epilogue.h"]
+    corrections = epilogue.split("// Correct accumulators to current max.")
+    assert len(corrections) == 5
+    vote = ("      // diffusers_trtllm (lazy_rescale.patch): where no row of the warp has a new max, each correction "
+            "is 1\n      // and the products equal the accumulators: the warp leaves them (the same bits, 64 "
+            "multiplies fewer)\n      bool rescale = false;\n#pragma unroll\n      for (int mi = 0; mi < "
+            "Mma_tile_o::CORES_M; mi++) {\n        rescale |= this->correction_[mi] != 1.f;\n      }\n"
+            "      if (__any_sync(0xffffffffu, rescale)) {\n")
+    assert epilogue.count(vote) == 1
+    fp8 = epilogue.index("struct Softmax<Hopper_qgmma_e4m3_fp32_traits, Kernel_traits>")
+    guarded = next(i for i, text in enumerate(corrections) if text.endswith(vote))
+    assert len("".join(corrections[:guarded + 1])) > fp8  # the fp8 class's pack, not another class's
+    products = corrections[guarded + 1].split("} else {", 1)[0]
+    assert products.count('asm volatile("mul.f32 %0, %0, %1;\\n"') == 2
+    assert products.endswith("        }\n      }\n      }\n    ")  # the vote's block closes after every product
+    assert all("__any_sync" not in text[-200:] for i, text in enumerate(corrections[:-1]) if i != guarded)
+
+
 # sha256 over (path, NUL, text, NUL) of every patched header, sorted by path, per FlashInfer release of the
 # [flashinfer] range (their headers differ; every one patches). A deliberate change of a patch changes them
-# (tile_map_reuse.patch last did: checked against every release here, its tile-map kernel compiled for sm_90a
-# with 0.6.18.post1's and 0.7.4's headers); an accidental one, or a release whose headers were never checked,
+# (lazy_rescale.patch last did: checked against every release here, every SAGE kernel compiled for sm_90a with
+# 0.6.18.post1's and 0.7.4's headers); an accidental one, or a release whose headers were never checked,
 # fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "97d8d9266ad568cbbead8cc54e78565a128c1d8fc4f9920d04ed09cc62e3332f"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "7baa6fcd5ed46a890f4075534b7053d78e18cf5bc5a8a949f736aa5118e3449b"),
-    "0.7.4": "bfcc847ab59e9d2b9421ba0280fb615e79a3a96e55fc76ef9de437cfd4debc07",
+                    "f10c4997bd0565c5b2864066d80cdc77f9c6e2db53842b97e3e16ae03a65528d"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "54761c96e98bfff250423aa34c0c36bdab531d9381d7b3ff09d421e324eb29ec"),
+    "0.7.4": "92d81a2c97855615db69863781b6338fc8aeb08ab6665dcc15bce7d504b04822",
 }
 
 

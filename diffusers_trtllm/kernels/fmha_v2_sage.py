@@ -158,7 +158,8 @@ def padding_mask_only(code: str) -> str:
 
 # FMHAv2 header patches, applied in this order at build time (csrc/fmha_v2_patches/<name>.patch; each file says
 # what it changes and why).
-HEADER_PATCHES = ("v_layout", "half_step_skip", "v_scale_epilogue", "mutex_turn", "skip_counts", "tile_map_reuse")
+HEADER_PATCHES = ("v_layout", "half_step_skip", "v_scale_epilogue", "lazy_rescale", "mutex_turn", "skip_counts",
+                  "tile_map_reuse")
 PATCH_FOLDER = pathlib.Path(__file__).with_name("csrc") / "fmha_v2_patches"
 _HUNK_HEADER = re.compile(r"@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
