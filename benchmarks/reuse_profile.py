@@ -4,11 +4,10 @@
 Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip),
 ``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps),
 ``fresh256`` (the Skip-Softmax kernel of 256-key steps writing a zeroed map: what a reuse window's first step
-runs), ``reuse``
-(from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV step computed,
-the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without Skip-Softmax's
-test, which computes every tile the map does not hold). Each call includes its quantization, timed alone as
-``quantize``.
+runs), ``reuse`` (from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV
+step computed, the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without
+Skip-Softmax's test, which computes every tile the map does not hold). Each call includes its quantization, timed
+alone as ``quantize``.
 
 Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
 the ratio to cuDNN and the TFLOP/s of the tiles computed. ``--kv-buffers N`` builds and runs a module whose 128-key

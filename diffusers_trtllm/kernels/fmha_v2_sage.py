@@ -476,13 +476,13 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     (no Q·Kᵀ, exps or P·V for the query tile, no K/V load where both warpgroups' query tiles reuse the tile),
     tests the others as without a map, and sets the bits of the tiles its test skipped (updated in place; zero
     the map for a step that tests every tile). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step``
-    :data:`REUSE_KV_STEP`, no ``return_lse``; ``skip_factor`` 0 skips
-    the map's tiles only. At ``kv_step`` :data:`FRESH_KV_STEP` (``skip_factor`` > 0) the map must be zeroed (a
-    reuse window's first step): the Skip-Softmax kernel of that step tests every tile, reads none of the map and
-    sets the bits of the tiles it skipped, each 128-key half of a step decided against the running max at the
-    step's start as without a map. ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused:
-    the bits set on entry, 0 for a zeroed map). GPUs: sm_90 (H100/H200); the first call on a machine compiles the
-    kernels (see :func:`load_module`).
+    :data:`REUSE_KV_STEP`, no ``return_lse``; ``skip_factor`` 0 skips the map's tiles only. At ``kv_step``
+    :data:`FRESH_KV_STEP` (``skip_factor`` > 0) the map must be zeroed (a reuse window's first step): the
+    Skip-Softmax kernel of that step tests every tile, reads none of the map and sets the bits of the tiles it
+    skipped, each 128-key half of a step decided against the running max at the step's start as without a map.
+    ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused: the bits set on entry, 0 for a
+    zeroed map). GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels (see
+    :func:`load_module`).
     """
     if tile_map is not None:
         _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse, skip_factor)
