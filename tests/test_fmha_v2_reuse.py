@@ -64,15 +64,20 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
     # keeping FlashInfer's step by the preprocessor
     assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
     dma, compute = sources["fmha/warpspec/dma.h"], sources["fmha/warpspec/compute.h"]
-    # the DMA warp and the compute warpgroups walk to the next loaded step with the same cursor
-    assert dma.count("kv_step_idx = map_cursor.next_loaded(params, kv_step_idx, kv_idx_start, kv_idx_end);") == 1
-    assert "typename DMA<Kernel_traits>::Device::Tile_map_cursor map_cursor(" in compute
-    assert "map_cursor.next_loaded(params, step, kv_idx_start, end)" in compute
-    # past a query tile's first step, the compute warpgroups take the step and its reuse bit as one shuffled value
-    step = compute.split("#define TILE_MAP_STEP(end)", 1)[1].split("\n\n", 1)[0]
-    assert "TILE_MAP_NEXT_STEP(kv_step_idx, end)" in step and "kv_step_idx = map_step >> 1;" in step
-    assert "bool const reused = (map_step & 1) != 0;" in step and "TILE_MAP_REUSED" not in step
-    assert dma.count("min(scan(params, kv_step_idx, kv_idx_end), kv_idx_end)") == 1
+    # the DMA warp walks the map and writes each loaded step's word into the ring once the K buffer is free and
+    # before the K load's arrival; the compute warpgroups take their steps from those words after each K wait,
+    # with no walk of their own
+    assert dma.count("kv_step_idx = next_loaded;") == 1
+    load = dma.split("uint32_t const word = map_cursor.step_word(params, kv_step_idx, kv_idx_end, next_loaded);",
+                     1)[1].split("load_kv(", 1)[0]
+    assert load.index("cbw_k.wait();") < load.index("shared->tile_map_steps[map_load] = word;")
+    assert "map_cursor." not in compute and "map_cursor(" not in compute
+    read = compute.split("#define TILE_MAP_READ_STEP()", 1)[1].split("\n#define", 1)[0]
+    assert "__shfl_sync(0xffffffffu, read_shared_word(map_steps + 4 * map_load), 0)" in read
+    assert "bool const reused = ((map_step >> warpgroup_id) & 1u) != 0;" in read
+    assert compute.count("K_TILE_WAIT();\n        TILE_MAP_READ_STEP();") == 1  # the first step
+    assert compute.count("K_TILE_WAIT();\n          TILE_MAP_READ_STEP();") == 2  # the two KV loops
+    assert 'asm volatile("ld.shared.u32 %0, [%1];" : "=r"(word) : "r"(address) : "memory");' in compute
     # the tile-map kernels' DMA warp divides for the K/V head once per query tile pair, FlashInfer's every step
     assert "load_kv(Kernel_traits::TILE_MAP_REUSE ? bidh_kv : bidh / params.h_q_per_kv," in dma
     # FlashInfer's kernels count every step; a tile-map kernel counts (and maps) only the steps its test skipped
@@ -142,44 +147,71 @@ struct Fused_multihead_attention_params_v2 {
 struct Device {
 CURSOR
 };
+struct Kernel_traits {
+  enum { KV_BUFFERS = 2 };
+};
+static uint32_t ring[2 * Kernel_traits::KV_BUFFERS];  // Shared::tile_map_steps at shared address 0
+static uint32_t __shfl_sync(unsigned, uint32_t value, int) { return value; }
+static uint32_t read_shared_word(uint32_t address) { return ring[address / 4]; }
+MACROS
+// The DMA warp's KV loop (dma.h), one loaded step per call: the step's word into the ring, as before its K load.
+struct Dma {
+  Device::Tile_map_cursor map_cursor;
+  int next_loaded, kv_idx_end;
+  uint32_t map_load = 0;
+  std::vector<int> loaded;
+  void load(bert::Fused_multihead_attention_params_v2 const& params) {
+    int const kv_step_idx = next_loaded;
+    if (kv_step_idx == kv_idx_end) {
+      printf("a compute group waited for a step the DMA warp never loads\n");
+      return;
+    }
+    ring[map_load] = map_cursor.step_word(params, kv_step_idx, kv_idx_end, next_loaded);
+    map_load = (map_load + 1) & (2 * Kernel_traits::KV_BUFFERS - 1);
+    loaded.push_back(kv_step_idx);
+  }
+};
 // stdin: a case count, then per case: words, own row and partner row (-1: none), start, the first masked step,
-// end, and the two rows' words. stdout per case: the DMA's loaded steps | the compute group's steps:reused | the
-// last step's next_loaded, walked as dma.h's KV loop and compute.h's two KV loops (TILE_MAP_STEP) walk them.
+// end, and the two rows' words. stdout per case and compute group (0: own row, 1: partner's): the DMA's loaded
+// steps | the group's steps as step:reused:last (the last releases Q), walked as compute.h's KV loops walk them
+// (its macros' own text), the DMA warp loading each step at the group's K wait | whether the DMA has steps left.
 int main() {
   int cases;
   if (scanf("%d", &cases) != 1) return 1;
   while (cases--) {
-    int words, own, partner, start, mask_start, end;
-    if (scanf("%d %d %d %d %d %d", &words, &own, &partner, &start, &mask_start, &end) != 6) return 1;
+    int words, own, partner, start, mask_start, kv_idx_end;
+    if (scanf("%d %d %d %d %d %d", &words, &own, &partner, &start, &mask_start, &kv_idx_end) != 6) return 1;
     std::vector<uint32_t> map(2 * words);
     for (auto& word : map) {
       if (scanf("%u", &word) != 1) return 1;
     }
     bert::Fused_multihead_attention_params_v2 params{map.data()};
     int const own_row = own < 0 ? -1 : 0, partner_row = partner < 0 ? -1 : words;
-    Device::Tile_map_cursor dma(own_row, partner_row);
-    for (int s = start; s < end; s++) {
-      s = dma.next_loaded(params, s, start, end);
-      if (s == end) break;
-      printf("%d ", s);
+    for (int warpgroup_id = 0; warpgroup_id < 2; ++warpgroup_id) {
+      Dma dma{Device::Tile_map_cursor(own_row, partner_row), start, kv_idx_end};
+      uint32_t const map_steps = 0;
+      uint32_t map_load = 0, map_step;
+      std::vector<int> steps;
+      int kv_step_idx = start;
+      dma.load(params);
+      TILE_MAP_READ_STEP();
+      printf("%d:%d:%d ", kv_step_idx, int(reused), int(TILE_MAP_LAST_STEP()));
+      for (kv_step_idx += 1; kv_step_idx < mask_start; ++kv_step_idx) {
+        TILE_MAP_NEXT_STEP(mask_start);
+        dma.load(params);
+        TILE_MAP_READ_STEP();
+        printf("%d:%d:%d ", kv_step_idx, int(reused), int(TILE_MAP_LAST_STEP()));
+      }
+      for (; kv_step_idx < kv_idx_end; ++kv_step_idx) {
+        TILE_MAP_NEXT_STEP(kv_idx_end);
+        dma.load(params);
+        TILE_MAP_READ_STEP();
+        printf("%d:%d:%d ", kv_step_idx, int(reused), int(TILE_MAP_LAST_STEP()));
+      }
+      printf("|");
+      for (int step : dma.loaded) printf(" %d", step);
+      printf(" |%d\n", int(dma.next_loaded != kv_idx_end));
     }
-    printf("|");
-    Device::Tile_map_cursor cursor(own_row, partner_row);
-    int s = start;
-    printf("%d:%d ", s, int(cursor.reuses(params, s)));
-    for (s += 1; s < mask_start; ++s) {
-      int const step = cursor.next_step(params, s, mask_start);
-      s = step >> 1;
-      if (s == mask_start) break;
-      printf("%d:%d ", s, step & 1);
-    }
-    for (; s < end; ++s) {
-      int const step = cursor.next_step(params, s, end);
-      s = step >> 1;
-      if (s == end) break;
-      printf("%d:%d ", s, step & 1);
-    }
-    printf("|%d\n", cursor.next_loaded(params, end - 1, start, end));
   }
   return 0;
 }
@@ -187,19 +219,25 @@ int main() {
 
 
 def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
-    """The patched dma.h's Tile_map_cursor, compiled for the host from the header's own text: the DMA warp loads
-    the range's first step and every step one of the two tiles does not reuse; a compute warpgroup visits those
-    same steps (else the circular buffers fall out of step and the kernel hangs), each with its own tile's bit;
-    on random maps with full and empty words, rows without a map, and every split into the two KV loops."""
+    """The patched dma.h's Tile_map_cursor and compute.h's step macros, compiled for the host from the headers'
+    own text: the DMA warp loads the range's first step and every step one of the two tiles does not reuse, and
+    writes each step's word into the ring; a compute warpgroup, reading the words after its K waits, visits those
+    same steps (else the circular buffers fall out of step and the kernel hangs), each with its own tile's bit,
+    and only the last releases Q; on random maps with full and empty words, rows without a map, and every split
+    into the two KV loops."""
     import random
     import subprocess
 
-    dma = fmha_v2_sage.patched_headers()["fmha/warpspec/dma.h"]
+    headers = fmha_v2_sage.patched_headers()
+    dma, compute = headers["fmha/warpspec/dma.h"], headers["fmha/warpspec/compute.h"]
     begin = dma.index("    static inline __device__ uint32_t reused_word(")
     cursor = dma[begin:dma.index("\n    };\n", begin) + len("\n    };\n")]
     for device, host in (("__device__ ", ""), ("__ldg(", "*("), ("__ffs(", "__builtin_ffs("), (" min(", " std::min(")):
         cursor = cursor.replace(device, host)
-    program = _built_on_host(tmp_path, "cursor", CURSOR_HARNESS.replace("CURSOR", cursor), "the map cursor")
+    begin = compute.index("#define TILE_MAP_READ_STEP()")
+    macros = compute[begin:compute.index("#else\n", begin)]
+    program = _built_on_host(tmp_path, "cursor", CURSOR_HARNESS.replace("CURSOR", cursor).replace("MACROS", macros),
+                             "the map cursor")
     rng, cases, expected = random.Random(0), [], []
     for _ in range(400):
         words = rng.randint(1, 4)
@@ -218,8 +256,9 @@ def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
         loaded = [start] + [s for s in range(start + 1, end) if not (own_bits[s] and partner_bits[s])]
         packed = [sum(bit << j for j, bit in enumerate(row[32 * w:32 * w + 32])) for row in rows for w in range(words)]
         cases.append(" ".join(map(str, (words, own, partner, start, mask_start, end, *packed))))
-        expected.append(" ".join(map(str, loaded)) + " |" + " ".join(f"{s}:{int(own_bits[s])}" for s in loaded)
-                        + f" |{end - 1 if loaded[-1] == end - 1 else end}")
+        for bits in (own_bits, partner_bits):
+            expected.append(" ".join(f"{s}:{int(bits[s])}:{int(s == loaded[-1])}" for s in loaded) + " |"
+                            + "".join(f" {s}" for s in loaded) + " |0")
     walked = subprocess.run([str(program)], input=f"{len(cases)}\n" + "\n".join(cases) + "\n",
                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert walked == expected

@@ -73,7 +73,7 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
     patches = fmha_v2_sage.header_patch_files()
-    assert sum(len(fmha_v2_sage.read_patch(patch)) for patch in patches) == 52
+    assert sum(len(fmha_v2_sage.read_patch(patch)) for patch in patches) == 53
     # each hunk's text is in the headers once its patch is applied (a later patch may rewrite it: the tile-map
     # patch rewrites lines of the skip patches), and the build reads the headers with every patch applied
     for applied in range(1, len(patches) + 1):
@@ -138,14 +138,14 @@ def test_fp8_kernels_leave_the_output_unscaled_only_where_no_row_of_the_warp_has
 
 # sha256 over (path, NUL, text, NUL) of every patched header, sorted by path, per FlashInfer release of the
 # [flashinfer] range (their headers differ; every one patches). A deliberate change of a patch changes them
-# (lazy_rescale.patch last did: checked against every release here, every SAGE kernel compiled for sm_90a with
-# 0.6.18.post1's and 0.7.4's headers); an accidental one, or a release whose headers were never checked,
-# fails here.
+# (tile_map_reuse.patch last did, with the DMA warp's step words: checked against every release here, every SAGE
+# kernel compiled for sm_90a with 0.6.18.post1's and 0.7.4's headers); an accidental one, or a release whose
+# headers were never checked, fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "f10c4997bd0565c5b2864066d80cdc77f9c6e2db53842b97e3e16ae03a65528d"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "54761c96e98bfff250423aa34c0c36bdab531d9381d7b3ff09d421e324eb29ec"),
-    "0.7.4": "92d81a2c97855615db69863781b6338fc8aeb08ab6665dcc15bce7d504b04822",
+                    "dd4425b01816330deaac2aee388f37e79fe886c81caddc69a6cf811de6200880"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "fc8d6e100187a21def7c9efeb56fbc1df91f47ba0b5651241116b8a0c3f40fdc"),
+    "0.7.4": "88f7dcbfd18ed2deacfee08e19a5bc925245e2e179c432553bfc454bbfb58272",
 }
 
 
