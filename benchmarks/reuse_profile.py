@@ -3,14 +3,17 @@
 
 Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip),
 ``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps),
-``fresh256`` (the Skip-Softmax kernel of 256-key steps writing a zeroed map: what a reuse window's first step
+``fresh untested`` (the tile-map kernel without the test from a zeroed map: every tile computed, as ``dense128``
+does, so the two differ by what the map's machinery costs), ``fresh256`` (the Skip-Softmax kernel of 256-key steps writing a zeroed map: what a reuse window's first step
 runs), ``reuse`` (from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV
 step computed, the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without
 Skip-Softmax's test, which computes every tile the map does not hold). Each call includes its quantization, timed
 alone as ``quantize``.
 
 Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
-the ratio to cuDNN and the TFLOP/s of the tiles computed. ``--kv-buffers N`` builds and runs a module whose 128-key
+the ratio to cuDNN and the TFLOP/s of the tiles computed. A GPU runs hotter as a sequence of cases goes on, so the
+later cases of one pass read slower (by several per cent at Wan's size on an H100); ``--rounds N`` times every
+case in each of N rounds, the order reversed every other round, and prints each case's median with its range. ``--kv-buffers N`` builds and runs a module whose 128-key
 kernels keep N K/V buffers in flight instead of ``fmha_v2_sage.KV_BUFFERS``' choice (an experiment: the module is
 built on first use). ``--tile-map-patch FILE`` builds the module with FILE in place of the package's
 ``tile_map_reuse.patch`` (the other patches as they are), for an A/B of a kernel change in one device call, one
@@ -29,6 +32,7 @@ import argparse
 import math
 import pathlib
 import shutil
+import statistics
 import sys
 import tempfile
 
@@ -49,17 +53,25 @@ def use_tile_map_patch(patch: pathlib.Path) -> None:
     fmha_v2_sage.load_module.cache_clear()
 
 
+def round_orders(cases: list[str], rounds: int) -> list[list[str]]:
+    """The order of ``cases`` in each of ``rounds`` rounds: as given, then reversed, alternately."""
+    return [cases if r % 2 == 0 else cases[::-1] for r in range(rounds)]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sparsity", type=float, default=0.65, help="target sparsity s (factor a·exp(b·s))")
-    parser.add_argument("--iters", type=int, default=3, help="timed calls per case")
+    parser.add_argument("--iters", type=int, default=3, help="timed calls per case (per round)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of every case, the order reversed every other round (medians)")
     parser.add_argument("--once", action="store_true", help="one untimed call per case (for a profiler)")
     parser.add_argument("--kv-buffers", type=int, choices=(2, 3, 4), help="K/V buffers of the 128-key kernels")
     parser.add_argument("--tile-map-patch", type=pathlib.Path,
                         help="build with this file as tile_map_reuse.patch (an A/B of a kernel change)")
     args = parser.parse_args(argv)
-    if not 0.0 < args.sparsity < 1.0 or args.iters < 1:
-        parser.error(f"--sparsity must lie in (0, 1) and --iters be >= 1; got {args.sparsity}, {args.iters}")
+    if not 0.0 < args.sparsity < 1.0 or args.iters < 1 or args.rounds < 1:
+        parser.error(f"--sparsity must lie in (0, 1) and --iters and --rounds be >= 1; got {args.sparsity}, "
+                     f"{args.iters}, {args.rounds}")
     if args.tile_map_patch is not None and not args.tile_map_patch.is_file():
         parser.error(f"--tile-map-patch {args.tile_map_patch}: no such file")
     import torch
@@ -101,6 +113,7 @@ def main(argv=None) -> None:
     mapped(torch.zeros_like(tile_map))()
     fresh_map = tile_map.clone()
     calls = {"dense256": dense(256), "dense128": dense(128), "fresh": mapped(torch.zeros_like(tile_map)),
+             "fresh untested": mapped(torch.zeros_like(tile_map), test=False),
              "fresh256": mapped(torch.zeros_like(tile_map), kv_step=fmha_v2_sage.FRESH_KV_STEP),
              "reuse": mapped(fresh_map), "walk": mapped(every_tile), "reuse untested": mapped(fresh_map, test=False)}
     total = heads * -(-seq // 64) * kv_tiles
@@ -112,18 +125,33 @@ def main(argv=None) -> None:
     print(f"reuse_profile: s = {args.sparsity}, {total} tiles, 128-key kernels with "
           f"{fmha_v2_sage.KV_BUFFERS[128]} K/V buffers, module {fmha_v2_sage.jit_spec().name} (tile-map patch "
           f"{args.tile_map_patch or 'of the package'}); quantize {quantize_ms:.2f} ms, cuDNN {cudnn_ms} ms")
-    for name, call in calls.items():
-        if args.once:
+    if args.once:
+        for name, call in calls.items():
             call()
             torch.cuda.synchronize()
             print(f"{name}: called", flush=True)
-            continue
-        ms = skip_reuse.timed(call, args.iters)
-        test, reused = (int(x) for x in counts) if name not in ("dense256", "dense128") else (0, 0)
+        return
+    times, skipped = {name: [] for name in calls}, {}
+
+    def report(name):
+        ms = statistics.median(times[name])
+        test, reused = skipped[name]
         gemm_tiles = 2 * total - 2 * reused - test
-        print(f"{name}: {ms:.2f} ms ({cudnn_ms / ms:.2f}x cuDNN; kernel {ms - quantize_ms:.2f}), skipped by test "
-              f"{test / total:.3f}, by reuse {reused / total:.3f}, "
+        spread = (f" (median of {len(times[name])} rounds, {min(times[name]):.2f} to {max(times[name]):.2f})"
+                  if len(times[name]) > 1 else "")
+        print(f"{name}: {ms:.2f} ms{spread} ({cudnn_ms / ms:.2f}x cuDNN; kernel {ms - quantize_ms:.2f}), skipped by "
+              f"test {test / total:.3f}, by reuse {reused / total:.3f}, "
               f"{gemm_tiles * gemm_flops / (ms - quantize_ms) / 1e9:.0f} TFLOP/s computed (kernel time)", flush=True)
+
+    for order in round_orders(list(calls), args.rounds):
+        for name in order:
+            times[name].append(skip_reuse.timed(calls[name], args.iters))
+            skipped[name] = (0, 0) if name in ("dense256", "dense128") else tuple(int(x) for x in counts)
+            if args.rounds == 1:
+                report(name)
+    if args.rounds > 1:
+        for name in calls:
+            report(name)
 
 
 if __name__ == "__main__":

@@ -443,9 +443,19 @@ def test_the_profiling_script_refuses_bad_arguments_and_a_machine_without_hopper
     missing = subprocess.run([sys.executable, script, "--tile-map-patch", "no/such.patch"], capture_output=True,
                              text=True)
     assert missing.returncode == 2 and "--tile-map-patch no/such.patch: no such file" in missing.stderr
+    no_rounds = subprocess.run([sys.executable, script, "--rounds", "0"], capture_output=True, text=True)
+    assert no_rounds.returncode == 2 and "--rounds be >= 1" in no_rounds.stderr.splitlines()[-1]
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script, "--once"], capture_output=True, text=True)
         assert proc.returncode == 1 and proc.stderr.strip() == "reuse_profile: needs an sm_90 GPU (H100/H200)"
+
+
+def test_the_profiling_scripts_rounds_alternate_the_order_of_the_cases():
+    """--rounds: each round times every case, the order reversed every other round, so that no case always runs
+    after the others (a GPU runs hotter as a pass goes on)."""
+    orders = load_script("benchmarks/reuse_profile.py").round_orders(["dense256", "fresh", "reuse"], 3)
+    assert orders == [["dense256", "fresh", "reuse"], ["reuse", "fresh", "dense256"], ["dense256", "fresh", "reuse"]]
+    assert load_script("benchmarks/reuse_profile.py").round_orders(["a", "b"], 1) == [["a", "b"]]
 
 
 def test_the_profiling_script_builds_an_other_tile_map_patch_apart(tmp_path, monkeypatch):
