@@ -191,18 +191,18 @@ int main() {
       Dma dma{Device::Tile_map_cursor(own_row, partner_row), start, kv_idx_end};
       uint32_t const map_steps = 0;
       uint32_t map_load = 0, map_step;
-      std::vector<int> steps;
       int kv_step_idx = start;
       dma.load(params);
       TILE_MAP_READ_STEP();
       printf("%d:%d:%d ", kv_step_idx, int(reused), int(TILE_MAP_LAST_STEP()));
-      for (kv_step_idx += 1; kv_step_idx < mask_start; ++kv_step_idx) {
+      int steps_left = kv_idx_end - start;  // a walk that goes back or repeats steps stops here
+      for (kv_step_idx += 1; kv_step_idx < mask_start && steps_left-- > 0; ++kv_step_idx) {
         TILE_MAP_NEXT_STEP(mask_start);
         dma.load(params);
         TILE_MAP_READ_STEP();
         printf("%d:%d:%d ", kv_step_idx, int(reused), int(TILE_MAP_LAST_STEP()));
       }
-      for (; kv_step_idx < kv_idx_end; ++kv_step_idx) {
+      for (; kv_step_idx < kv_idx_end && steps_left-- > 0; ++kv_step_idx) {
         TILE_MAP_NEXT_STEP(kv_idx_end);
         dma.load(params);
         TILE_MAP_READ_STEP();
@@ -260,7 +260,7 @@ def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
             expected.append(" ".join(f"{s}:{int(bits[s])}:{int(s == loaded[-1])}" for s in loaded) + " |"
                             + "".join(f" {s}" for s in loaded) + " |0")
     walked = subprocess.run([str(program)], input=f"{len(cases)}\n" + "\n".join(cases) + "\n",
-                            capture_output=True, text=True, check=True).stdout.splitlines()
+                            capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
     assert walked == expected
 
 
