@@ -1,23 +1,24 @@
 """The FMHAv2 SAGE fp8 calls that Skip-Softmax reuse is measured against, one by one, for a profiler: at Wan 2.2's
 75,600 × 40 × 128 on skip_reuse.py's published-curve data (one sm_90 GPU).
 
-Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip),
-``fresh`` (the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps),
-``fresh untested`` (the tile-map kernel without the test from a zeroed map: every tile computed, as ``dense128``
-does, so the two differ by what the map's machinery costs), ``fresh256`` (the Skip-Softmax kernel of 256-key steps writing a zeroed map: what a reuse window's first step
-runs), ``reuse`` (from the map ``fresh`` left), ``walk`` (from a map holding every tile: each query tile's first KV
-step computed, the rest walked past), ``reuse untested`` (``fresh``'s map at factor 0: the tile-map kernel without
-Skip-Softmax's test, which computes every tile the map does not hold). Each call includes its quantization, timed
-alone as ``quantize``.
+Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip), ``fresh``
+(the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps), ``fresh untested``
+(the tile-map kernel without the test from a zeroed map: every tile computed, as ``dense128`` does, so the two
+differ by what the map's machinery costs), ``fresh256`` (the Skip-Softmax kernel of 256-key steps writing a zeroed
+map: what a reuse window's first step runs), ``reuse`` (from the map ``fresh`` left), ``walk`` (from a map holding
+every tile: each query tile's first KV step computed, the rest walked past), ``reuse untested`` (``fresh``'s map at
+factor 0: the tile-map kernel without Skip-Softmax's test, which computes every tile the map does not hold). Each
+call includes its quantization, timed alone as ``quantize``.
 
 Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
 the ratio to cuDNN and the TFLOP/s of the tiles computed. A GPU runs hotter as a sequence of cases goes on, so the
-later cases of one pass read slower (by several per cent at Wan's size on an H100); ``--rounds N`` times every
-case in each of N rounds, the order reversed every other round, and prints each case's median with its range. ``--kv-buffers N`` builds and runs a module whose 128-key
-kernels keep N K/V buffers in flight instead of ``fmha_v2_sage.KV_BUFFERS``' choice (an experiment: the module is
-built on first use). ``--tile-map-patch FILE`` builds the module with FILE in place of the package's
-``tile_map_reuse.patch`` (the other patches as they are), for an A/B of a kernel change in one device call, one
-process per build (two modules with the same kernel names in one process could call each other's):
+later cases of one pass read slower (by several per cent at Wan's size on an H100); ``--rounds N`` times every case
+in each of N rounds, the order reversed every other round, and prints each case's median with its range.
+``--kv-buffers N`` builds and runs a module whose 128-key kernels keep N K/V buffers in flight instead of
+``fmha_v2_sage.KV_BUFFERS``' choice (an experiment: the module is built on first use). ``--tile-map-patch FILE``
+builds the module with FILE in place of the package's ``tile_map_reuse.patch`` (the other patches as they are), for
+an A/B of a kernel change in one device call, one process per build (two modules with the same kernel names in one
+process could call each other's):
 
     git show c9ba52e:diffusers_trtllm/kernels/csrc/fmha_v2_patches/tile_map_reuse.patch > ab/before.patch
     python benchmarks/reuse_profile.py --iters 5
@@ -146,7 +147,8 @@ def main(argv=None) -> None:
     for order in round_orders(list(calls), args.rounds):
         for name in order:
             times[name].append(skip_reuse.timed(calls[name], args.iters))
-            skipped[name] = (0, 0) if name in ("dense256", "dense128") else tuple(int(x) for x in counts)
+            if name not in skipped:  # the same tiles every call: read once
+                skipped[name] = (0, 0) if name in ("dense256", "dense128") else tuple(int(x) for x in counts)
             if args.rounds == 1:
                 report(name)
     if args.rounds > 1:

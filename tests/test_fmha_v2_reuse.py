@@ -172,9 +172,9 @@ struct Dma {
   }
 };
 // stdin: a case count, then per case: words, own row and partner row (-1: none), start, the first masked step,
-// end, and the two rows' words. stdout per case and compute group (0: own row, 1: partner's): the DMA's loaded
-// steps | the group's steps as step:reused:last (the last releases Q), walked as compute.h's KV loops walk them
-// (its macros' own text), the DMA warp loading each step at the group's K wait | whether the DMA has steps left.
+// end, and the two rows' words. stdout per case and compute group (0: own row, 1: partner's): the group's steps
+// as step:reused:last (the last releases Q), walked as compute.h's KV loops walk them (its macros' own text), the
+// DMA warp loading each step at the group's K wait | the DMA's loaded steps | whether the DMA has steps left.
 int main() {
   int cases;
   if (scanf("%d", &cases) != 1) return 1;
