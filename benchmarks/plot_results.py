@@ -3,11 +3,13 @@
 - ``seconds_per_video.png``: seconds per video by configuration, text encoding, denoising and VAE decode stacked,
   one panel per model (the "Seconds per video" tables);
 - ``skip_curve.png``: speed over cuDNN against the published curve's sparsity target s, one line per kernel
-  (the "published-curve table").
+  (the "published-curve table");
+- ``reuse_curve.png``: the same for FMHAv2 SAGE fp8 dense, with Skip-Softmax and with its reuse across steps
+  (the "Reuse against sparsity" table).
 
 RESULTS.md is the record; the plots are redrawn from it after a device run updates a table:
 
-    python benchmarks/plot_results.py                 # writes both PNGs next to RESULTS.md
+    python benchmarks/plot_results.py                 # writes the PNGs next to RESULTS.md
 """
 
 import argparse
@@ -17,7 +19,14 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 VIDEO_TABLES = {"Wan 2.2 A14B": "#### Wan 2.2 A14B", "HunyuanVideo 1.5": "#### HunyuanVideo 1.5"}
-CURVE_TABLE = "### The published-curve table"
+# each curve plot: its table's heading and the plot's title
+CURVES = {
+    "skip_curve": ("### The published-curve table",
+                   "Skip-Softmax kernels at Wan 2.2's self-attention shape (75,600 tokens × 40 heads), H200"),
+    "reuse_curve": ("### Reuse against sparsity",
+                    "FMHAv2 SAGE fp8 with Skip-Softmax and its reuse across steps, H100\n"
+                    "Wan 2.2's self-attention shape (75,600 tokens × 40 heads), published-curve data"),
+}
 PHASES = {"text encoding (s)": "text encoding", "denoising, 40 steps (s)": "denoising",
           "denoising, 50 steps (s)": "denoising", "VAE decode (s)": "VAE decode"}
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -83,9 +92,9 @@ def block_words(k_block: int, kv_step: int) -> str:
     return f"{scale}, {kv_step}-key steps"
 
 
-def skip_curve(text: str) -> tuple[list[float], dict[str, list[float]]]:
-    """The published-curve table: the s values and, per kernel column, × cuDNN at each."""
-    rows = table_after(text, CURVE_TABLE)
+def speed_curves(text: str, heading: str) -> tuple[list[float], dict[str, list[float]]]:
+    """The table of × cuDNN against s after ``heading``: the s values and, per kernel column, × cuDNN at each."""
+    rows = table_after(text, heading)
     curves, kernel = {}, ""
     for column in (c for c in rows[0] if c not in ("s", "sparsity")):
         # a column titled by its blocks alone ("k64, 256") is a variant of the kernel before it
@@ -132,7 +141,7 @@ def plot_video(models, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def plot_curve(s_values, kernels, path: pathlib.Path) -> None:
+def plot_curve(s_values, kernels, title: str, path: pathlib.Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for kernel, ratios in kernels.items():
@@ -140,8 +149,7 @@ def plot_curve(s_values, kernels, path: pathlib.Path) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xlabel("sparsity target s of the published Wan 2.2 curve")
     ax.set_ylabel("speed over cuDNN SDPA (×)")
-    ax.set_title("Skip-Softmax kernels at Wan 2.2's self-attention shape (75,600 tokens × 40 heads), H200",
-                 fontsize=10, loc="left")
+    ax.set_title(title, fontsize=10, loc="left")
     ax.set_xticks(s_values)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=9)
@@ -157,14 +165,16 @@ def main(argv=None) -> dict[str, pathlib.Path]:
     args = parser.parse_args(argv)
     try:
         text = args.results.read_text(encoding="utf-8")
-        models, (s_values, kernels) = video_phases(text), skip_curve(text)
+        models = video_phases(text)
+        curves = {name: speed_curves(text, heading) for name, (heading, _) in CURVES.items()}
     except (OSError, ResultsError) as e:
         print(f"plot_results: {args.results}: {e}", file=sys.stderr)
         sys.exit(2)
     args.out.mkdir(parents=True, exist_ok=True)
-    written = {"seconds_per_video": args.out / "seconds_per_video.png", "skip_curve": args.out / "skip_curve.png"}
+    written = {name: args.out / f"{name}.png" for name in ("seconds_per_video", *CURVES)}
     plot_video(models, written["seconds_per_video"])
-    plot_curve(s_values, kernels, written["skip_curve"])
+    for name, (s_values, kernels) in curves.items():
+        plot_curve(s_values, kernels, CURVES[name][1], written[name])
     for path in written.values():
         print(path)
     return written

@@ -29,6 +29,13 @@ TABLES = """# Results
 |---|---|---|---|---|
 | 0.30 | 0.31 | 186.6, 1.09× | **122.9, 1.65×** | 137.2, 1.48× |
 | 0.65 | 0.66 | 145.7, 1.39× | **99.5, 2.04×** | 108.4, 1.87× |
+
+### Reuse against sparsity: FMHAv2 SAGE fp8
+
+| s | sparsity | SAGE fp8 | **SAGE fp8 + reuse** | SAGE fp8 + reuse window (first + 2) |
+|---|---|---|---|---|
+| 0.50 | 0.49 | 124.7, 1.58× | **81.5, 2.41×** | 92.3, 2.13× |
+| 0.75 | 0.84 | 124.7, 1.58× | **30.7, 6.41×** | 51.4, 3.83× |
 """
 
 
@@ -42,15 +49,23 @@ def test_the_video_plot_reads_every_configuration_that_ran_and_its_phases():
 
 
 def test_the_curve_plot_reads_each_kernels_ratio_and_names_the_block_variants():
-    s_values, curves = plots.skip_curve(TABLES)
+    s_values, curves = plots.speed_curves(TABLES, plots.CURVES["skip_curve"][0])
     assert s_values == [0.3, 0.65]
     assert curves == {"FMHAv2 bf16 + skip": [1.09, 1.39],
                       "FMHAv2 SAGE fp8 + skip (K scale per sequence and head, 256-key steps)": [1.65, 2.04],
                       "FMHAv2 SAGE fp8 + skip (K scale per 64 keys, 256-key steps)": [1.48, 1.87]}
 
 
+def test_the_reuse_curve_reads_its_own_table_and_keeps_a_columns_parenthesis():
+    s_values, curves = plots.speed_curves(TABLES, plots.CURVES["reuse_curve"][0])
+    assert s_values == [0.5, 0.75]
+    assert curves == {"SAGE fp8": [1.58, 1.58], "SAGE fp8 + reuse": [2.41, 6.41],
+                      "SAGE fp8 + reuse window (first + 2)": [2.13, 3.83]}
+
+
 def test_the_plots_of_the_repositorys_results_are_written(tmp_path):
     written = plots.main(["--out", str(tmp_path)])
+    assert set(written) == {"seconds_per_video", "skip_curve", "reuse_curve"}
     for path in written.values():
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
 
