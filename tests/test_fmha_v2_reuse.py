@@ -316,6 +316,74 @@ def test_the_map_writing_kernel_sets_the_bits_of_the_halves_its_vote_skipped(tmp
     assert got[:-1] == expected
 
 
+DESCRIPTORS_HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+struct int2 {
+  int x, y;
+};
+struct Descriptor {
+  uint64_t words[DESCRIPTOR_WORDS];
+  uint64_t get_descriptor(int idx) const { return words[idx]; }
+  void set_descriptor(int idx, uint64_t desc) { words[idx] = desc; }
+};
+struct Smem_tile {
+  enum { BUFFERS_PER_TILE = RING_BUFFERS, BYTES_PER_BUFFER_NO_4LSB = 0x400 };
+  struct Gmma_descriptor {
+    enum { NUM_DESCRIPTORS = DESCRIPTOR_WORDS };
+  };
+};
+struct Compute_tile {
+  enum { MMAS_N = 2 };
+  Descriptor gmma_desc_b_[MMAS_N];
+};
+struct Kernel_traits {
+  enum { KV_BUFFERS = RING_BUFFERS };
+};
+struct Compute {
+ADVANCE
+};
+// stdin: buffer indices, one per step after the first; stdout: each step's descriptors, low then high words
+int main() {
+  Compute_tile tile;
+  for (int ni = 0; ni < Compute_tile::MMAS_N; ++ni)
+    for (int idx = 0; idx < DESCRIPTOR_WORDS; ++idx)  // a high word of flags, a low word: the first buffer's address
+      tile.gmma_desc_b_[ni].words[idx] = (uint64_t(0x40000040u + ni) << 32) | uint32_t(0x1000 + 0x10 * idx);
+  for (int buffer; scanf("%d", &buffer) == 1;) {
+    Compute::advance_b_descriptors<Smem_tile>(tile, buffer);
+    for (int ni = 0; ni < Compute_tile::MMAS_N; ++ni)
+      for (int idx = 0; idx < DESCRIPTOR_WORDS; ++idx)
+        printf("%x %x ", unsigned(tile.gmma_desc_b_[ni].words[idx]), unsigned(tile.gmma_desc_b_[ni].words[idx] >> 32));
+    printf("\n");
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("buffers", [2, 3, 4])
+def test_a_steps_descriptors_point_at_the_buffer_its_k_wait_named(tmp_path, buffers):
+    """advance_b_descriptors from the patched compute.h, compiled for the host: after each step, given the circular
+    buffers' read index, every B descriptor of the tile holds that buffer's address (the first buffer's plus the
+    index times a buffer's bytes) and its high word unchanged, as FlashInfer's increment leaves them; over steps
+    that wrap the ring several times."""
+    import subprocess
+
+    compute = fmha_v2_sage.patched_headers()["fmha/warpspec/compute.h"]
+    begin = compute.index("  template <typename Smem_tile, typename Compute_tile>\n  static inline __device__ void "
+                          "advance_b_descriptors(")
+    advance = compute[begin:compute.index("\n  }\n", begin) + len("\n  }\n")].replace("__device__ ", "")
+    source = (f"#define RING_BUFFERS {buffers}\n#define DESCRIPTOR_WORDS 2\n"
+              + DESCRIPTORS_HARNESS.replace("ADVANCE", advance))
+    program = _built_on_host(tmp_path, "descriptors", source, "the descriptors' move")
+    steps = [step % buffers for step in range(1, 4 * buffers + 2)]
+    got = subprocess.run([str(program)], input=" ".join(map(str, steps)), capture_output=True, text=True,
+                         check=True, timeout=60).stdout.splitlines()
+    expected = [" ".join(f"{0x1000 + 0x10 * idx + 0x400 * buffer:x} {0x40000040 + ni:x}" for ni in range(2)
+                         for idx in range(2)) + " " for buffer in steps]
+    assert got == expected
+
+
 def _call(q, seqlens=(300,), **kwargs):
     cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
     return fmha_v2_sage.fmha_v2_sage_attention(q, q, q, cu, seqlens, SCALE, k_block=0, skip_factor=1.0, **kwargs)
