@@ -10,8 +10,11 @@ With ``--sass DIR`` each kernel's SASS goes to ``DIR/<kernel>.sass`` (needs ``cu
 ``PATH``), where a spill (``LDL``/``STL``) can be placed against the main loop's ``QGMMA`` instructions, and the
 table gains the loops' figures (:func:`loop_report`): the spill instructions of the compute warpgroups' KV loop,
 and in the DMA warp's KV loop the global loads and whether an inner loop scans for the next step to load (the
-tile-map kernels' map scan, ``tile_map_reuse.patch``). ``--compare OLD_DIR`` says per kernel whether its SASS equals
-the one in ``OLD_DIR`` (a ``--sass`` folder of another build, e.g. before a patch) up to code addresses.
+tile-map kernels' map scan, ``tile_map_reuse.patch``), and the instructions a computed, kept KV step issues in the
+compute warpgroups' KV loop (:func:`kept_step`): on the GPU these kernels issue instructions at about one rate, so
+a kernel's time per step follows that count (benchmarks/RESULTS.md). ``--compare OLD_DIR`` says per kernel whether
+its SASS equals the one in ``OLD_DIR`` (a ``--sass`` folder of another build, e.g. before a patch) up to code
+addresses.
 
 Needs nvcc (CUDA 12.8 or newer) and the cuBLAS headers, which FMHAv2's headers include: ``pip download
 nvidia-cublas``, unzip its ``include`` folder and put it on ``CPATH``. Timing still needs the GPU.
@@ -58,14 +61,38 @@ def loops(code: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
     return sorted(found, key=len)
 
 
+def kept_step(loop: list[tuple[int, str]]) -> int:
+    """Instructions issued by one pass through ``loop`` (a loop body, its back branch last) along the path of a
+    step that runs its GMMAs and exps and nothing optional: from the loop's head to its back branch, the path with
+    the most ``QGMMA``, then the most ``MUFU``, then the fewest instructions (which leaves out a rescale, a skip, a
+    map write). A wait succeeds at once: branches out of the loop (to the out-of-line retries) and back within it
+    (retry loops) are not taken, nor ``BRA.DIV``; predicated instructions count as issued."""
+    if not loop:
+        return 0
+    at = {address: i for i, (address, _) in enumerate(loop)}
+    best: list[tuple[int, int, int] | None] = [None] * len(loop)  # (QGMMA, MUFU, -instructions) to the back branch
+    best[-1] = (0, 0, -1)
+    for i in range(len(loop) - 2, -1, -1):
+        op = loop[i][1]
+        target = BRANCH.search(op)
+        successors = [] if target and not op.startswith("@") else [i + 1]
+        if target and ".DIV" not in op and at.get(int(target.group(1), 16), -1) > i:
+            successors.append(at[int(target.group(1), 16)])
+        paths = [best[j] for j in successors if best[j] is not None]
+        if paths:
+            gmma, exps, length = max(paths)
+            best[i] = (gmma + ("QGMMA" in op), exps + ("MUFU" in op), length - 1)
+    return -best[0][2] if best[0] is not None else 0
+
+
 def loop_report(sass: str) -> dict:
     """Figures of the compute warpgroups' KV loop (the innermost loop with GMMAs) and of the DMA warp's (the
     innermost with TMA loads and no GMMA): spill instructions in the first; global loads in the second, and
     whether it holds an inner loop with global loads and no TMA load (the tile-map kernel's scan of its map for
     the next step to load, ``tile_map_reuse.patch``). And the size of one step's code, comparable across
     kernels: the innermost GMMA loop that masks scores (``FSEL``), the loop over a query tile's last KV step,
-    with its ``MUFU`` (exps) and ``PRMT`` (byte permutes) instructions; the compute warpgroups' time per step
-    follows their instructions where they are issue-bound (benchmarks/RESULTS.md)."""
+    with its ``MUFU`` (exps) and ``PRMT`` (byte permutes) instructions; and :func:`kept_step` of the KV loop
+    (the compute warpgroups' time per step follows their instructions, benchmarks/RESULTS.md)."""
     body = loops(instructions(sass))
     compute = next((b for b in body if any("QGMMA" in o for _, o in b)), [])
     last_step = next((b for b in body if any("QGMMA" in o for _, o in b) and any("FSEL" in o for _, o in b)), [])
@@ -73,7 +100,7 @@ def loop_report(sass: str) -> dict:
     scan = dma and any(len(b) < len(dma) and dma[0][0] <= b[0][0] and b[-1][0] <= dma[-1][0]
                        and any(re.search(r"\bLDG\b", o) for _, o in b) and not any("UTMALDG" in o for _, o in b)
                        for b in body)
-    return dict(loop_qgmma=sum("QGMMA" in o for _, o in compute),
+    return dict(loop_qgmma=sum("QGMMA" in o for _, o in compute), kept_step=kept_step(compute),
                 loop_spills=sum(bool(re.search(r"\b(?:LDL|STL)\b", o)) for _, o in compute),
                 dma_ldg=sum(bool(re.search(r"\bLDG\b", o)) for _, o in dma),
                 dma_tma=sum("UTMALDG" in o for _, o in dma), dma_scan=bool(scan), step_loop=len(last_step),
@@ -157,8 +184,8 @@ def main() -> None:
         rows = list(tqdm(pool.map(lambda c: report(*c, args.sass, args.compare), commands), total=len(commands),
                          desc="nvcc sm_90a", unit="kernel"))
     columns = ["kernel", "registers", "spill_stores", "spill_loads", "notes"] + (
-        ["qgmma", "spill_instructions", "loop_qgmma", "loop_spills", "dma_ldg", "dma_tma", "dma_scan", "step_loop",
-         "step_mufu", "step_prmt"]
+        ["qgmma", "spill_instructions", "loop_qgmma", "loop_spills", "kept_step", "dma_ldg", "dma_tma", "dma_scan",
+         "step_loop", "step_mufu", "step_prmt"]
         if args.sass else []) + (["same_sass"] if args.compare else [])
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for row in sorted(rows, key=lambda r: r["kernel"]):

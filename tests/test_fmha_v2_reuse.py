@@ -812,3 +812,38 @@ def test_the_static_report_finds_the_dma_loops_map_scan():
     figures = static.loop_report(steps)
     assert (figures["step_loop"], figures["step_mufu"], figures["step_prmt"]) == (5, 1, 1)
     assert not static.same_code(SASS, SASS.replace("R2, [R1+0x8]", "R3, [R1+0x8]"))
+
+
+KV_LOOP = """
+        /*0000*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R2], R3 ;
+        /*0020*/              @!P1 BRA 0x0200 ;
+        /*0030*/               @P2 BRA 0x0060 ;
+        /*0040*/                   SYNCS.ARRIVE.TRANS64.A1T0 RZ, [R4], RZ ;
+        /*0050*/                   BRA 0x00e0 ;
+        /*0060*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT ;
+        /*0070*/                   BAR.RED.AND.DEFER_BLOCKING R5, 0x80, P3 ;
+        /*0080*/              @!P3 BRA 0x00e0 ;
+        /*0090*/                   MUFU.EX2 R6, R6 ;
+        /*00a0*/               @P4 BRA 0x00c0 ;
+        /*00b0*/                   FMUL R7, R7, R8 ;
+        /*00c0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P5, [R2], R3 ;
+        /*00d0*/              @!P5 BRA 0x00c0 ;
+        /*00e0*/                   BRA.DIV UR4, 0x0210 ;
+        /*00f0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, R24, gdesc[UR4], R88 ;
+        /*0100*/              @!P0 BRA 0x0000 ;
+"""
+
+
+def test_the_static_report_counts_a_kept_steps_path_through_the_kv_loop():
+    """kept_step: the loop's head to its back branch through the GMMAs and the exps, leaving out the reused step
+    (no GMMA), the skipped one (no exps) and the optional rescale, with every wait succeeding at once (retries out
+    of the loop or back within it not taken, nor BRA.DIV)."""
+    from helpers import load_script
+
+    static = load_script("benchmarks/sage_kernel_static.py")
+    assert static.loop_report(KV_LOOP)["kept_step"] == 14
+    assert static.loop_report(KV_LOOP.replace("@P4 BRA 0x00c0", "NOP"))["kept_step"] == 15  # a rescale every step
+    # without exps the kept step is the skipped one's path, the shorter of the two with a GMMA
+    assert static.loop_report(KV_LOOP.replace("MUFU.EX2 R6, R6", "NOP"))["kept_step"] == 10
+    assert static.loop_report(KV_LOOP.replace("QGMMA", "NOP"))["kept_step"] == 0  # no GMMA loop
