@@ -76,8 +76,9 @@ def kept_step(loop: list[tuple[int, str]]) -> int:
         op = loop[i][1]
         target = BRANCH.search(op)
         successors = [] if target and not op.startswith("@") else [i + 1]
-        if target and ".DIV" not in op and at.get(int(target.group(1), 16), -1) > i:
-            successors.append(at[int(target.group(1), 16)])
+        taken = at.get(int(target.group(1), 16), -1) if target and ".DIV" not in op else -1
+        if taken > i:
+            successors.append(taken)
         paths = [best[j] for j in successors if best[j] is not None]
         if paths:
             gmma, exps, length = max(paths)
