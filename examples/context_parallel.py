@@ -23,6 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
+from evaluation.cli import ArgumentParser, positive_int
 
 from diffusers_trtllm import context_parallel_plan, enable_trtllm_attention
 from diffusers_trtllm.install import pipeline_transformers
@@ -36,18 +37,21 @@ TINY_CALL = {"wan": dict(height=32, width=32, num_frames=5), "hunyuan": dict(hei
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(TINY), default="wan")
     parser.add_argument("--model-id", help="a diffusers pipeline (hub id or folder); default: the tiny pipeline")
-    parser.add_argument("--ring", type=int, default=1, help="ring_degree")
-    parser.add_argument("--ulysses", type=int, default=1, help="ulysses_degree")
+    parser.add_argument("--ring", type=positive_int, default=1, help="ring_degree")
+    parser.add_argument("--ulysses", type=positive_int, default=1, help="ulysses_degree")
     parser.add_argument("--config", default='{"default": {"backend": "TORCH_REFERENCE"}}',
                         help="this package's attention config (JSON)")
     parser.add_argument("--prompt", default="a red fox running through fresh snow")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=2)
     parser.add_argument("--output", help="an MP4 rank 0 writes (a real model)")
     args = parser.parse_args(argv)
+    if args.ring * args.ulysses < 2:
+        parser.error(f"--ring {args.ring} × --ulysses {args.ulysses} splits the call over one process: give a degree "
+                     "of 2 or more and as many processes, e.g. torchrun --nproc-per-node 2 "
+                     "examples/context_parallel.py --model hunyuan --ring 2")
     if args.ring * args.ulysses != int(os.environ.get("WORLD_SIZE", "1")):
         parser.error(f"--ring {args.ring} × --ulysses {args.ulysses} must equal the processes torchrun starts "
                      f"(WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')})")

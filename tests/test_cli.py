@@ -77,6 +77,11 @@ def clean_environment(monkeypatch):
      ["backend='nope' is invalid", "TORCH_REFERENCE"]),
     ("generate.py", ["--model", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"],
      ["cannot load 'Wan-AI/Wan2.2-T2V-A14B-Diffusers' with WanPipeline"]),
+    # context parallelism: its defaults split over one process (diffusers would raise), or no torchrun started it
+    ("context_parallel.py", [], ["--ring 1 × --ulysses 1 splits the call over one process", "torchrun"]),
+    ("context_parallel.py", ["--ring", "2"], ["--ring 2 × --ulysses 1 must equal the processes torchrun starts "
+                                              "(WORLD_SIZE=unset)"]),
+    ("context_parallel.py", ["--ulysses", "0"], ["--ulysses: 0 is invalid: expected an integer >= 1"]),
 ])
 def test_a_mistake_is_one_line_on_stderr_and_exit_status_2(tmp_path, script, argv, fragments):
     line = assert_one_line_error(run_script(script, *argv, tmp_path=tmp_path), script, *fragments)
