@@ -2,20 +2,20 @@
 75,600 × 40 × 128 on skip_reuse.py's published-curve data (one sm_90 GPU).
 
 Cases, in this order: ``dense256`` and ``dense128`` (the SAGE kernel at 256- and 128-key steps, no skip), ``fresh``
-(the tile-map kernel from a zeroed map: every tile tested, as Skip-Softmax at 128-key steps), ``fresh untested``
-(the tile-map kernel without the test from a zeroed map: every tile computed, as ``dense128`` does, so the two
-differ by what the map's machinery costs), ``fresh256`` (the Skip-Softmax kernel of 256-key steps writing a zeroed
-map: what a reuse window's first step runs), ``reuse`` (from the map ``fresh`` left), ``walk`` (from a map holding
-every tile: each query tile's first KV step computed, the rest walked past), ``reuse untested`` (``fresh``'s map at
-factor 0: the tile-map kernel without Skip-Softmax's test, which computes every tile the map does not hold). Each
-call includes its quantization, timed alone as ``quantize``.
+(the tile-map kernel from a zeroed map: every tile tested, in aligned pairs as Skip-Softmax at 256-key steps),
+``fresh untested`` (the tile-map kernel without the test from a zeroed map: every tile computed, as ``dense256``
+does, so the two differ by what the map's machinery costs), ``fresh256`` (the Skip-Softmax kernel of 256-key steps
+writing a zeroed map: what a reuse window's first step runs), ``reuse`` (from the map ``fresh256`` left), ``walk``
+(from a map holding every tile: each query tile's first KV step computed, the rest walked past), ``reuse
+untested`` (that map at factor 0: the tile-map kernel without Skip-Softmax's test, which computes every tile the
+map does not hold). Each call includes its quantization, timed alone as ``quantize``.
 
 Without ``--once`` it times cuDNN SDPA and each case (mean of ``--iters`` calls after one warm-up) and prints ms,
 the ratio to cuDNN and the TFLOP/s of the tiles computed. A GPU runs hotter as a sequence of cases goes on, so the
 later cases of one pass read slower (by several per cent at Wan's size on an H100); ``--rounds N`` times every case
 in each of N rounds, the order reversed every other round, and prints each case's median with its range.
-``--kv-buffers N`` builds and runs a module whose 128-key kernels keep N K/V buffers in flight instead of
-``fmha_v2_sage.KV_BUFFERS``' choice (an experiment: the module is built on first use). ``--tile-map-patch FILE``
+``--kv-buffers N`` builds and runs a module whose 128-key kernels (``dense128``) keep N K/V buffers in flight
+instead of ``fmha_v2_sage.KV_BUFFERS``' choice (an experiment: the module is built on first use). ``--tile-map-patch FILE``
 builds the module with FILE in place of the package's ``tile_map_reuse.patch`` (the other patches as they are), for
 an A/B of a kernel change in one device call, one process per build (two modules with the same kernel names in one
 process could call each other's):
@@ -102,20 +102,21 @@ def main(argv=None) -> None:
         return lambda: fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
                                                            kv_step=kv_step)
 
-    def mapped(entry, test=True, kv_step=fmha_v2_sage.REUSE_KV_STEP):
+    def mapped(entry, test=True, fresh=False):
         def call():
             tile_map.copy_(entry)
             counts.zero_()
-            fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0, kv_step=kv_step,
+            fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), d ** -0.5, k_block=0,
+                                                kv_step=fmha_v2_sage.REUSE_KV_STEP,
                                                 skip_factor=factor if test else 0.0, skip_counts=counts,
-                                                tile_map=tile_map)
+                                                tile_map=tile_map, fresh_map=fresh)
         return call
 
-    mapped(torch.zeros_like(tile_map))()
+    mapped(torch.zeros_like(tile_map), fresh=True)()
     fresh_map = tile_map.clone()
     calls = {"dense256": dense(256), "dense128": dense(128), "fresh": mapped(torch.zeros_like(tile_map)),
              "fresh untested": mapped(torch.zeros_like(tile_map), test=False),
-             "fresh256": mapped(torch.zeros_like(tile_map), kv_step=fmha_v2_sage.FRESH_KV_STEP),
+             "fresh256": mapped(torch.zeros_like(tile_map), fresh=True),
              "reuse": mapped(fresh_map), "walk": mapped(every_tile), "reuse untested": mapped(fresh_map, test=False)}
     total = heads * -(-seq // 64) * kv_tiles
     gemm_flops = 2 * 64 * 128 * d

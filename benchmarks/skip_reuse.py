@@ -197,12 +197,11 @@ def main(argv=None) -> None:
         counting = bool(factor) or tile_map is not None
         if kernel == "fmha_v2":
             counts = torch.zeros(2 if tile_map is not None else 1, dtype=torch.int32, device="cuda")
-            # as the route runs them: a map to reuse one tile per step, a zeroed one on the Skip-Softmax steps
-            kv_step = (FMHA_V2_KV_STEP if tile_map is None else fmha_v2_sage.FRESH_KV_STEP if fresh
-                       else fmha_v2_sage.REUSE_KV_STEP)
+            # as the route runs them: a map on the tile-map kernel, a zeroed one on the map-writing kernel
+            kv_step = FMHA_V2_KV_STEP if tile_map is None else fmha_v2_sage.REUSE_KV_STEP
             fmha_v2_sage.fmha_v2_sage_attention(q, k, v, cu, (seq,), scale, k_block=0, kv_step=kv_step,
                                                 skip_factor=factor, skip_counts=counts if counting else None,
-                                                tile_map=tile_map)
+                                                tile_map=tile_map, fresh_map=fresh)
             return counts if counting else None
         reused = torch.zeros((), dtype=torch.int32, device="cuda")
         _, tested, _ = triton_sage.triton_sage_attention(

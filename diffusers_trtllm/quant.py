@@ -51,7 +51,13 @@ class SageSemantics:
     ``q_padded_to_kv``: the kernel runs a sequence with fewer queries than keys as self-attention on its keys, its
     queries followed by zero query rows up to its key length (quantized and attended like the real rows, so a
     query tile holding both skips only where the zero rows' rule allows it too); the zero rows' outputs are
-    dropped."""
+    dropped.
+
+    ``paired_tiles``: with a tile map (Skip-Softmax reuse), each step of the kernel holds two KV tiles gathered
+    from those that either query tile of a pair ``2k``, ``2k + 1`` computes (a tile both reuse is not loaded;
+    a query tile without a map row reuses every tile), two to a step in key order; each tile is decided against
+    the running max at its step's start, and a tile its query tile reuses, though loaded for its partner, enters
+    nothing. Without a map the steps are ``kv_step``'s."""
 
     dtype_qk: str
     q_block: int
@@ -63,6 +69,7 @@ class SageSemantics:
     skip_tile: tuple[int, int] | None = None
     skip_sample: tuple[int, float] | None = None
     q_padded_to_kv: bool = False
+    paired_tiles: bool = False
 
 
 def scale_of(amax: torch.Tensor, q_max: float) -> torch.Tensor:

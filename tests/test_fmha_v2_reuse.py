@@ -19,7 +19,7 @@ from diffusers_trtllm.config import AttnQuantSpec
 from diffusers_trtllm.kernels import fmha_v2_sage
 from diffusers_trtllm.kernels.numerics import bits_set
 
-from helpers import peaky_qkv
+from helpers import load_script, peaky_qkv
 
 fmha_library = pytest.importorskip("flashinfer.jit.attention.fmha_v2.fmha_library")
 
@@ -32,19 +32,20 @@ FP8 = AttnQuantSpec("fp8_e4m3")
 
 def test_two_tile_map_kernels_with_their_own_names_and_flag():
     """With Skip-Softmax's test, and without it for a map at factor 0 (the binding picks it: its test would skip
-    nothing)."""
+    nothing), at 256-key steps of two gathered tiles; and the map-writing kernel at the same step, which the
+    binding tells apart by the map it reads (none)."""
     reuse = [k for k in fmha_v2_sage.sage_kernels() if k.reuse]
-    assert reuse == [fmha_v2_sage.SageKernel(0, 128, True, reuse=True), fmha_v2_sage.SageKernel(0, 128, False,
+    assert reuse == [fmha_v2_sage.SageKernel(0, 256, True, reuse=True), fmha_v2_sage.SageKernel(0, 256, False,
                                                                                               reuse=True)]
     sources = fmha_v2_sage.kernel_sources()
     # and the Skip-Softmax kernel of 256-key steps that writes a zeroed map (a reuse window's first step)
     writer = [k for k in fmha_v2_sage.sage_kernels() if k.map_out]
-    assert writer == [fmha_v2_sage.SageKernel(0, fmha_v2_sage.FRESH_KV_STEP, True, map_out=True)]
+    assert writer == [fmha_v2_sage.SageKernel(0, fmha_v2_sage.REUSE_KV_STEP, True, map_out=True)]
     names = fmha_v2_sage.kernel_names(writer[0])
     assert all("skipSoftmax_tileMapOut_sage" in name for name in names) and "_64_256_S_" in names[0]
     assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP_OUT 1")
-    assert ("kv_step == 256 && skip == true && lse == false && tile_map == true) {\n    " + names[1]
-            ) in sources["sage_kernels.h"]
+    assert ("kv_step == 256 && skip == true && lse == false && tile_map == true && reads_map == false) {\n    "
+            + names[1]) in sources["sage_kernels.h"]
     assert sum("DIFFUSERS_TRTLLM_TILE_MAP_OUT 1" in code for name, code in sources.items() if name.endswith(".cu")) == 1
     for kernel in reuse:
         plain = fmha_v2_sage.kernel_names(fmha_v2_sage.SageKernel(0, kernel.kv_step, kernel.skip_softmax))
@@ -52,49 +53,61 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
         mark = "skipSoftmax_tileMap_sage" if kernel.skip_softmax else "_tileMap_sage"
         assert all(mark in name and ("skipSoftmax" in name) == kernel.skip_softmax for name in names)
         assert set(names).isdisjoint(plain)
-        assert f"_64_{kernel.kv_step}_S_" in names[0]
+        assert "_64_256_S_" in names[0]
         assert sources[names[0]].startswith("#define DIFFUSERS_TRTLLM_TILE_MAP 1")
         skip = str(kernel.skip_softmax).lower()
-        assert (f"kv_step == {kernel.kv_step} && skip == {skip} && lse == false && tile_map == true) {{\n    "
+        assert (f"kv_step == 256 && skip == {skip} && lse == false && tile_map == true && reads_map == true) {{\n    "
                 + names[1]) in sources["sage_kernels.h"]
     assert sum("DIFFUSERS_TRTLLM_TILE_MAP 1" in code for name, code in sources.items() if name.endswith(".cu")) == 2
     binding = fmha_v2_sage.BINDING_SOURCE.read_text()
     assert "launch.enable_skip_softmax = skip_softmax_threshold_scale_factor > 0.0;" in binding
-    # the headers: the map's pointers beside the skip statistics, the DMA's predicate, the kernels without a map
-    # keeping FlashInfer's step by the preprocessor
+    assert "const bool writes_map_only = reuse && tile_map_entry.numel() == 0;" in binding
+    assert "reuse && !writes_map_only, params, launch, stream)" in binding
+    # the headers: the map's pointers beside the skip statistics
     assert "uint32_t const* tile_map_entry;" in sources["fused_multihead_attention.h"]
     dma, compute = sources["fmha/warpspec/dma.h"], sources["fmha/warpspec/compute.h"]
-    # the DMA warp walks the map and writes each loaded step's word into the ring once the K buffer is free and
-    # before the K load's arrival; the compute warpgroups take their steps from those words after each K wait,
-    # with no walk of their own
-    assert dma.count("kv_step_idx = next_loaded;") == 1
-    load = dma.split("uint32_t const word = map_cursor.step_word(params, kv_step_idx, kv_idx_end, next_loaded);",
-                     1)[1].split("load_kv(", 1)[0]
-    assert load.index("cbw_k.wait();") < load.index("shared->tile_map_steps[map_load] = word;")
+    # the DMA warp gathers each step's two tiles, writes its words into the ring once the K buffer is free and
+    # before the K loads' arrival, and loads K in 128-key boxes; the compute warpgroups read the words after each
+    # K wait, with no walk of their own
+    load = dma.split("uint2 const words = map_cursor.step_words(params, next_tile, tile_end);", 1)[1].split(
+        "} else {", 1)[0]
+    assert (load.index("cbw_k.wait();") < load.index("shared->tile_map_steps[map_load] = words;")
+            < load.index("bar_id = load_kv_pair(bidh_kv, int(words.y & 0xffffu) * 128, int(words.y >> 16) * 128,"))
+    assert "Kernel_traits::TILE_MAP_REUSE ? 128u : uint32_t(STEP_KV)};" in dma
+    pair = dma.split("inline __device__ int load_kv_pair(", 1)[1].split("return v_barrier_id;", 1)[0]
+    assert pair.count("fmha::utmaldg<3, fmha::cudaTmaDescType::TILED, false>(") == 2  # in a loop over the halves
+    assert "half * 128 * Kernel_traits::D]" in pair and "half * 128 * Kernel_traits::DV]" in pair
     assert "map_cursor." not in compute and "map_cursor(" not in compute
     read = compute.split("#define TILE_MAP_READ_STEP()", 1)[1].split("\n#define", 1)[0]
-    assert "__shfl_sync(0xffffffffu, read_shared_word(map_steps + 4 * map_load), 0)" in read
-    assert "bool const reused = ((map_step >> warpgroup_id) & 1u) != 0;" in read
-    assert compute.count("K_TILE_WAIT();\n        TILE_MAP_READ_STEP();") == 1  # the first step
-    assert compute.count("K_TILE_WAIT();\n          TILE_MAP_READ_STEP();") == 2  # the two KV loops
+    assert "__shfl_sync(0xffffffffu, read_shared_word(map_steps + 8 * map_load), 0)" in read
+    assert "#define TILE_MAP_REUSED() (int(map_step >> (2 * warpgroup_id)) & 3)" in compute
     assert 'asm volatile("ld.shared.u32 %0, [%1];" : "=r"(word) : "r"(address) : "memory");' in compute
-    # the tile-map kernels' DMA warp divides for the K/V head once per query tile pair, FlashInfer's every step
-    assert "load_kv(Kernel_traits::TILE_MAP_REUSE ? bidh_kv : bidh / params.h_q_per_kv," in dma
-    # FlashInfer's kernels count every step; a tile-map kernel counts (and maps) only the steps its test skipped
+    # the gathered steps' loop: the first, then every step up to the DMA's last, which is masked
+    loop = compute.split("#if DIFFUSERS_TRTLLM_TILE_MAP\n        // diffusers_trtllm (tile_map_reuse.patch): the steps "
+                         "the DMA warp loaded", 1)[1].split("#else\n", 1)[0]
+    assert loop.count("K_TILE_WAIT();\n") == 2 and loop.count("TILE_MAP_ADVANCE_DESCRIPTORS();") == 1
+    assert [line.strip() for line in loop.splitlines() if "COMPUTE_SINGLE_TILE" in line] == [
+        "COMPUTE_SINGLE_TILE(true, true);", "COMPUTE_SINGLE_TILE(true, false);", "COMPUTE_SINGLE_TILE(false, false);",
+        "COMPUTE_SINGLE_TILE(false, true);"]
+    # FlashInfer's kernels count every step; a tile-map kernel counts (and maps) only the halves its test skipped
     plain_step = compute.split("#else\n#define COMPUTE_SINGLE_TILE(IS_FIRST_COL, APPLY_MASK)", 1)[1].split(
         "#endif\n", 1)[0]
     assert "COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)" in plain_step and "count_skipped_tiles(" in plain_step
     compute_step = compute.split("#define COMPUTE_STEP(IS_FIRST_COL, APPLY_MASK)", 1)[1].split("\n\n", 1)[0]
     assert "count_skipped_tiles" not in compute_step
-    record = compute.split("void record_skipped_tile(", 1)[1].split("\n  }\n", 1)[0]
-    assert "if (tidx == 0 && skipped != 0) {" in record and "*count += 1;" in record
-    # the tile-map kernel tests each row once against log2 λ, with no exp; FlashInfer's kernels keep exp2f < λ
+    record = compute.split("void record_skipped_pair(", 1)[1].split("\n  }\n", 1)[0]
+    assert "if (tidx == 0 && skipped != 0 && row >= 0) {" in record and "*count += __popc(skipped);" in record
+    # the tile-map kernel tests each half against log2 λ, with no exp; FlashInfer's kernels keep exp2f < λ
     epilogue = sources["fmha/warpspec/epilogue.h"]
-    log2_test = epilogue.split("#if DIFFUSERS_TRTLLM_TILE_MAP\n        // diffusers_trtllm (tile_map_reuse.patch): one "
-                               "128-key tile per step", 1)[1].split("#endif\n", 1)[0]
+    log2_test = epilogue.split("#if DIFFUSERS_TRTLLM_TILE_MAP\n        // diffusers_trtllm (tile_map_reuse.patch): each "
+                               "half's scaled distance", 1)[1].split("#endif\n", 1)[0]
     mapped, plain = log2_test.split("#else\n")
-    assert "(fmaxf(max_first, max_second) - global_max[mi]) * scale < this->skip_softmax_threshold;" in mapped
+    assert "skip &= (max_first - global_max[mi]) * scale < this->skip_softmax_threshold;" in mapped
+    assert "skip_second &= (max_second - global_max[mi]) * scale < this->skip_softmax_threshold;" in mapped
     assert "exp2f" not in mapped and plain.count("exp2f(") == 2
+    # a half the warpgroup reuses has no maximum (its scores are never looked at)
+    assert "float const max_first = (this->reused_halves_ & 1) ? -INFINITY : fmaxf(pmax[0], pmax[1]);" in epilogue
+    assert "float const max_second = (this->reused_halves_ & 2) ? -INFINITY : fmaxf(pmax[2], pmax[3]);" in epilogue
     assert ("#if DIFFUSERS_TRTLLM_TILE_MAP\n        // diffusers_trtllm: the tile-map kernel tests against log2 λ "
             "(tile_map_reuse.patch)\n        softmax.skip_softmax_threshold = log2f(softmax.skip_softmax_threshold);"
             ) in compute
@@ -111,12 +124,27 @@ def test_two_tile_map_kernels_with_their_own_names_and_flag():
              "#if DIFFUSERS_TRTLLM_TILE_MAP\n    return true;\n  }\n",
              "inline __device__ void compute_exps_and_update(", "#if !DIFFUSERS_TRTLLM_TILE_MAP\n    return true;"]
     assert [split.index(text) for text in order] == sorted(split.index(text) for text in order)
-    # the tile-map kernels vote by one barrier's AND, so the shared slot's reset and the barrier that orders it
-    # before the votes (before Q·Kᵀ) are FlashInfer's kernels' only
-    assert epilogue.count("bar.red.and.pred p, %2, 128, p;") == 1
-    vote_by_slot = epilogue[epilogue.index("bar.red.and.pred"):].split("#else\n", 1)[1].split("#endif\n", 1)[0]
-    assert "atomicAnd(skip_softmax_vote" in vote_by_slot
+    # the tile-map kernels vote by one barrier's count, so the shared slot's reset and the barrier that orders it
+    # before the votes (before Q·Kᵀ) are FlashInfer's kernels' only; a half left out enters P·V as zeros
+    vote = epilogue.split("int vote = this->reused_halves_;", 1)[1].split("#else\n", 1)[0]
+    assert vote.count("bar.red.popc.u32 %0, %2, 128, p;") == 1 == epilogue.count("bar.red.popc.u32")
+    assert 'lane == 0 ? first : (lane <= 8 ? second : 0u)' in vote
+    assert "int const tested = ((count & 7u) == 4u ? 1 : 0) | (count >= 32u ? 2 : 0);" in vote
+    assert "this->test_skipped_halves_ = tested & ~vote;" in vote and "elt_[mi][ni] = -INFINITY;" in vote
+    vote_by_slot = epilogue.split("int vote = this->reused_halves_;", 1)[1].split("#else\n", 1)[1]
+    assert "atomicAnd(skip_softmax_vote" in vote_by_slot.split("#endif\n#if DIFFUSERS_TRTLLM_TILE_MAP", 1)[0]
     assert compute.count("#if !DIFFUSERS_TRTLLM_TILE_MAP\n    if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX) {") == 2
+    # an empty turn keeps the ordered mutex in step: one turn a step, and where a turn spans a P·V and the next
+    # Q·Kᵀ (the kernel without the test), the one held ends and the next is taken (a first step's: one first)
+    empty = compute.split("inline __device__ void reuse_whole_step(", 1)[1].split("if (complete) {", 1)[0]
+    spanning, plain = empty.split("} else {", 1)
+    assert [line.strip() for line in spanning.splitlines() if "mutex." in line] == [
+        "mutex.wait();", "mutex.arrive();", "mutex.wait();"]
+    assert "if constexpr (IS_FIRST_COL) {\n          mutex.wait();\n        }\n        mutex.arrive();" in spanning
+    assert [line.strip() for line in plain.splitlines() if "mutex." in line] == ["mutex.wait();", "mutex.arrive();"]
+    # the map kernels' P·V always takes both K groups (a half left out is zeros); the Skip-Softmax kernel's skips
+    assert "if constexpr (Kernel_traits::ENABLE_SKIP_SOFTMAX && !TILE_MAP_REUSE && Kernel_traits::STEP_KV == 256) {" \
+        in compute
 
 
 def _built_on_host(tmp_path, name, source, what):
@@ -139,6 +167,10 @@ CURSOR_HARNESS = r"""
 #include <cstdint>
 #include <cstdio>
 #include <vector>
+using std::min;
+struct uint2 {
+  uint32_t x, y;
+};
 namespace bert {
 struct Fused_multihead_attention_params_v2 {
   const uint32_t* tile_map_entry;
@@ -147,40 +179,41 @@ struct Fused_multihead_attention_params_v2 {
 struct Device {
 CURSOR
 };
-struct Kernel_traits {
-  enum { KV_BUFFERS = 2 };
+struct Shared {
+  uint2 tile_map_steps[8];
 };
-static uint32_t ring[2 * Kernel_traits::KV_BUFFERS];  // Shared::tile_map_steps at shared address 0
+static Shared ring;  // Shared::tile_map_steps at shared address 0
+static Shared* shared = &ring;
 static uint32_t __shfl_sync(unsigned, uint32_t value, int) { return value; }
-static uint32_t read_shared_word(uint32_t address) { return ring[address / 4]; }
+static uint32_t read_shared_word(uint32_t address) { return ring.tile_map_steps[address / 8].x; }
 MACROS
-// The DMA warp's KV loop (dma.h), one loaded step per call: the step's word into the ring, as before its K load.
+// The DMA warp's KV loop (dma.h), one loaded step per call: the step's words into the ring, as before its loads.
 struct Dma {
   Device::Tile_map_cursor map_cursor;
-  int next_loaded, kv_idx_end;
+  int next_tile, tile_end;
   uint32_t map_load = 0;
-  std::vector<int> loaded;
+  int steps = 0;
   void load(bert::Fused_multihead_attention_params_v2 const& params) {
-    int const kv_step_idx = next_loaded;
-    if (kv_step_idx == kv_idx_end) {
+    if (next_tile >= tile_end) {
       printf("a compute group waited for a step the DMA warp never loads\n");
       return;
     }
-    ring[map_load] = map_cursor.step_word(params, kv_step_idx, kv_idx_end, next_loaded);
-    map_load = (map_load + 1) & (2 * Kernel_traits::KV_BUFFERS - 1);
-    loaded.push_back(kv_step_idx);
+    ring.tile_map_steps[map_load] = map_cursor.step_words(params, next_tile, tile_end);
+    map_load = (map_load + 1) & 7u;
+    ++steps;
   }
 };
-// stdin: a case count, then per case: words, own row and partner row (-1: none), start, the first masked step,
-// end, and the two rows' words. stdout per case and compute group (0: own row, 1: partner's): the group's steps
-// as step:reused:last (the last releases Q), walked as compute.h's KV loops walk them (its macros' own text), the
-// DMA warp loading each step at the group's K wait | the DMA's loaded steps | whether the DMA has steps left.
+// stdin: a case count, then per case: words, own row and partner row (-1: none), the tiles' end, and the two
+// rows' words. stdout per case and compute group (0: own row, 1: partner's): the group's steps as
+// first:second:reused halves:last:mask column (the last releases Q), read as compute.h's loop reads them (its
+// macros' own text) with the DMA warp loading each step at the group's K wait | the DMA's steps | whether the
+// DMA has tiles left.
 int main() {
   int cases;
   if (scanf("%d", &cases) != 1) return 1;
   while (cases--) {
-    int words, own, partner, start, mask_start, kv_idx_end;
-    if (scanf("%d %d %d %d %d %d", &words, &own, &partner, &start, &mask_start, &kv_idx_end) != 6) return 1;
+    int words, own, partner, tile_end;
+    if (scanf("%d %d %d %d", &words, &own, &partner, &tile_end) != 4) return 1;
     std::vector<uint32_t> map(2 * words);
     for (auto& word : map) {
       if (scanf("%u", &word) != 1) return 1;
@@ -188,29 +221,18 @@ int main() {
     bert::Fused_multihead_attention_params_v2 params{map.data()};
     int const own_row = own < 0 ? -1 : 0, partner_row = partner < 0 ? -1 : words;
     for (int warpgroup_id = 0; warpgroup_id < 2; ++warpgroup_id) {
-      Dma dma{Device::Tile_map_cursor(own_row, partner_row), start, kv_idx_end};
+      Dma dma{Device::Tile_map_cursor(own_row, partner_row), 0, tile_end};
       uint32_t const map_steps = 0;
-      uint32_t map_load = 0, map_step;
-      int kv_step_idx = start;
-      dma.load(params);
-      TILE_MAP_READ_STEP();
-      printf("%d:%d:%d ", kv_step_idx, int(reused), int(TILE_MAP_LAST_STEP()));
-      int steps_left = kv_idx_end - start;  // a walk that goes back or repeats steps stops here
-      for (kv_step_idx += 1; kv_step_idx < mask_start && steps_left-- > 0; ++kv_step_idx) {
-        TILE_MAP_NEXT_STEP(mask_start);
+      uint32_t map_load = 0, map_step = 0;
+      for (int guard = tile_end; guard-- > 0;) {  // a walk that repeats steps stops here
         dma.load(params);
         TILE_MAP_READ_STEP();
-        printf("%d:%d:%d ", kv_step_idx, int(reused), int(TILE_MAP_LAST_STEP()));
+        uint32_t const pair = TILE_MAP_PAIR();
+        printf("%u:%u:%d:%d:%d ", pair & 0xffffu, pair >> 16, TILE_MAP_REUSED(), int(TILE_MAP_LAST_STEP()),
+               KV_COL_OFFSET());
+        if (TILE_MAP_LAST_STEP()) break;
       }
-      for (; kv_step_idx < kv_idx_end && steps_left-- > 0; ++kv_step_idx) {
-        TILE_MAP_NEXT_STEP(kv_idx_end);
-        dma.load(params);
-        TILE_MAP_READ_STEP();
-        printf("%d:%d:%d ", kv_step_idx, int(reused), int(TILE_MAP_LAST_STEP()));
-      }
-      printf("|");
-      for (int step : dma.loaded) printf(" %d", step);
-      printf(" |%d\n", int(dma.next_loaded != kv_idx_end));
+      printf("| %d |%d\n", dma.steps, int(dma.next_tile != tile_end));
     }
   }
   return 0;
@@ -218,21 +240,25 @@ int main() {
 """
 
 
-def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
+def test_the_map_cursors_gather_the_steps_the_rule_names(tmp_path):
     """The patched dma.h's Tile_map_cursor and compute.h's step macros, compiled for the host from the headers'
-    own text: the DMA warp loads the range's first step and every step one of the two tiles does not reuse, and
-    writes each step's word into the ring; a compute warpgroup, reading the words after its K waits, visits those
-    same steps (else the circular buffers fall out of step and the kernel hangs), each with its own tile's bit,
-    and only the last releases Q; on random maps with full and empty words, rows without a map, and every split
-    into the two KV loops."""
+    own text: the DMA warp loads the first tile and every tile one of the two query tiles does not reuse, two to a
+    step in key order (a lone last tile twice, its copy reused by both), and writes each step's words into the
+    ring; a compute warpgroup, reading them after its K waits, sees those same steps (else the circular buffers
+    fall out of step and the kernel hangs), each with the halves its own query tile reuses and the mask's column
+    for the step's first key, and only the last step says so (it releases Q); on random maps with full and empty
+    words, rows without a map, and ends at every tile. The rule is the reference's
+    (``first_of_paired_steps``)."""
     import random
     import subprocess
+
+    from diffusers_trtllm.backends.reference import first_of_paired_steps
 
     headers = fmha_v2_sage.patched_headers()
     dma, compute = headers["fmha/warpspec/dma.h"], headers["fmha/warpspec/compute.h"]
     begin = dma.index("    static inline __device__ uint32_t reused_word(")
     cursor = dma[begin:dma.index("\n    };\n", begin) + len("\n    };\n")]
-    for device, host in (("__device__ ", ""), ("__ldg(", "*("), ("__ffs(", "__builtin_ffs("), (" min(", " std::min(")):
+    for device, host in (("__device__ ", ""), ("__ldg(", "*("), ("__ffs(", "__builtin_ffs(")):
         cursor = cursor.replace(device, host)
     begin = compute.index("#define TILE_MAP_READ_STEP()")
     macros = compute[begin:compute.index("#else\n", begin)]
@@ -248,17 +274,25 @@ def test_the_map_cursors_walk_the_steps_the_rule_names(tmp_path):
                 if rng.random() < 0.3:
                     row[32 * w:32 * w + 32] = [True] * 32
         own, partner = (-1 if rng.random() < 0.1 else 0), (-1 if rng.random() < 0.1 else 1)
-        start = rng.randrange(32 * words)
-        end = rng.randint(start + 1, 32 * words)
-        mask_start = rng.randint(start, end)
+        end = rng.randint(1, 32 * words)
         own_bits = rows[0] if own >= 0 else [True] * (32 * words)
         partner_bits = rows[1] if partner >= 0 else [True] * (32 * words)
-        loaded = [start] + [s for s in range(start + 1, end) if not (own_bits[s] and partner_bits[s])]
+        reused = torch.tensor([own_bits[:end], partner_bits[:end]])[None]
+        opens = first_of_paired_steps(reused)[0, 0]
+        loaded = [0] + [t for t in range(1, end) if not (own_bits[t] and partner_bits[t])]
+        # the reference's rule: tile 0 (loaded whatever the map) and every loaded tile after an even number of
+        # loaded ones opens a step
+        assert [t for t in range(end) if opens[t]] == loaded[::2]
+        steps = [(loaded[i], loaded[i + 1] if i + 1 < len(loaded) else loaded[i]) for i in range(0, len(loaded), 2)]
         packed = [sum(bit << j for j, bit in enumerate(row[32 * w:32 * w + 32])) for row in rows for w in range(words)]
-        cases.append(" ".join(map(str, (words, own, partner, start, mask_start, end, *packed))))
+        cases.append(" ".join(map(str, (words, own, partner, end, *packed))))
         for bits in (own_bits, partner_bits):
-            expected.append(" ".join(f"{s}:{int(bits[s])}:{int(s == loaded[-1])}" for s in loaded) + " |"
-                            + "".join(f" {s}" for s in loaded) + " |0")
+            walk = []
+            for i, (first, second) in enumerate(steps):
+                halves = int(bits[first]) | (int(bits[second] if second != first else 1) << 1)
+                column = 128 * (first if second == first else second - 1)
+                walk.append(f"{first}:{second}:{halves}:{int(i == len(steps) - 1)}:{column}")
+            expected.append(" ".join(walk) + f" | {len(steps)} |0")
     walked = subprocess.run([str(program)], input=f"{len(cases)}\n" + "\n".join(cases) + "\n",
                             capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
     assert walked == expected
@@ -328,7 +362,7 @@ struct Descriptor {
   void set_descriptor(int idx, uint64_t desc) { words[idx] = desc; }
 };
 struct Smem_tile {
-  enum { BUFFERS_PER_TILE = RING_BUFFERS, BYTES_PER_BUFFER_NO_4LSB = 0x400 };
+  enum { BUFFERS_PER_TILE = RING_BUFFERS * K_GROUPS, BYTES_PER_BUFFER_NO_4LSB = 0x400 };
   struct Gmma_descriptor {
     enum { NUM_DESCRIPTORS = DESCRIPTOR_WORDS };
   };
@@ -343,45 +377,81 @@ struct Kernel_traits {
 struct Compute {
 ADVANCE
 };
-// stdin: buffer indices, one per step after the first; stdout: each step's descriptors, low then high words
+// stdin: buffer indices, one per step after the first; stdout: each step's descriptors, low then high words. A
+// step's P·V leaves the descriptors at its last K group (a buffer of the Smem_tile per group), as in the kernel.
+static void next_groups(Compute_tile& tile) {
+  for (int ni = 0; ni < Compute_tile::MMAS_N; ++ni)
+    for (int idx = 0; idx < DESCRIPTOR_WORDS; ++idx) tile.gmma_desc_b_[ni].words[idx] += (K_GROUPS - 1) * 0x400;
+}
 int main() {
   Compute_tile tile;
   for (int ni = 0; ni < Compute_tile::MMAS_N; ++ni)
     for (int idx = 0; idx < DESCRIPTOR_WORDS; ++idx)  // a high word of flags, a low word: the first buffer's address
       tile.gmma_desc_b_[ni].words[idx] = (uint64_t(0x40000040u + ni) << 32) | uint32_t(0x1000 + 0x10 * idx);
+  next_groups(tile);
   for (int buffer; scanf("%d", &buffer) == 1;) {
     Compute::advance_b_descriptors<Smem_tile>(tile, buffer);
     for (int ni = 0; ni < Compute_tile::MMAS_N; ++ni)
       for (int idx = 0; idx < DESCRIPTOR_WORDS; ++idx)
         printf("%x %x ", unsigned(tile.gmma_desc_b_[ni].words[idx]), unsigned(tile.gmma_desc_b_[ni].words[idx] >> 32));
     printf("\n");
+    next_groups(tile);
   }
   return 0;
 }
 """
 
 
+@pytest.mark.parametrize("groups", [1, 2], ids=["K", "V"])
 @pytest.mark.parametrize("buffers", [2, 3, 4])
-def test_a_steps_descriptors_point_at_the_buffer_its_k_wait_named(tmp_path, buffers):
+def test_a_steps_descriptors_point_at_the_buffer_its_k_wait_named(tmp_path, buffers, groups):
     """advance_b_descriptors from the patched compute.h, compiled for the host: after each step, given the circular
     buffers' read index, every B descriptor of the tile holds that buffer's address (the first buffer's plus the
-    index times a buffer's bytes) and its high word unchanged, as FlashInfer's increment leaves them; over steps
-    that wrap the ring several times."""
+    index times a buffer's bytes; V's buffer holds its two K groups, and the last step's P·V left the descriptor
+    at its last) and its high word unchanged, as FlashInfer's increment leaves them; over steps that wrap the ring
+    several times."""
     import subprocess
 
     compute = fmha_v2_sage.patched_headers()["fmha/warpspec/compute.h"]
     begin = compute.index("  template <typename Smem_tile, typename Compute_tile>\n  static inline __device__ void "
                           "advance_b_descriptors(")
     advance = compute[begin:compute.index("\n  }\n", begin) + len("\n  }\n")].replace("__device__ ", "")
-    source = (f"#define RING_BUFFERS {buffers}\n#define DESCRIPTOR_WORDS 2\n"
+    source = (f"#define RING_BUFFERS {buffers}\n#define K_GROUPS {groups}\n#define DESCRIPTOR_WORDS 2\n"
               + DESCRIPTORS_HARNESS.replace("ADVANCE", advance))
     program = _built_on_host(tmp_path, "descriptors", source, "the descriptors' move")
     steps = [step % buffers for step in range(1, 4 * buffers + 2)]
     got = subprocess.run([str(program)], input=" ".join(map(str, steps)), capture_output=True, text=True,
                          check=True, timeout=60).stdout.splitlines()
-    expected = [" ".join(f"{0x1000 + 0x10 * idx + 0x400 * buffer:x} {0x40000040 + ni:x}" for ni in range(2)
+    expected = [" ".join(f"{0x1000 + 0x10 * idx + 0x400 * groups * buffer:x} {0x40000040 + ni:x}" for ni in range(2)
                          for idx in range(2)) + " " for buffer in steps]
     assert got == expected
+
+
+def test_steps_without_a_gmma_gather_the_warpgroup_before_releasing_its_buffers():
+    """A step with no GMMA after its waits (an empty turn; a step the vote skips whole) meets the warpgroup at its
+    named barrier after the V wait, and only then does the first thread release K/V (after the step) and, on an
+    empty last step, Q: a release ahead of a lagging warp's parity wait stalled the kernel at Wan's size
+    (benchmarks/RESULTS.md, 2026-12-06)."""
+    compute = fmha_v2_sage.patched_headers()["fmha/warpspec/compute.h"]
+    barrier = "named_barrier_wait(Kernel_traits::SKIP_SOFTMAX_BARRIER_ID + threadIdx.x / 128, 128);"
+    begin = compute.index("inline __device__ void reuse_whole_step(")
+    empty_turn = compute[begin:compute.index("\n  }\n", begin)]
+    assert empty_turn.count(barrier) == 1 and empty_turn.count("cbr.complete(") == 1
+    assert empty_turn.index("cbr_v.wait()") < empty_turn.index(barrier) < empty_turn.index("cbr.complete(")
+    skipped = compute[compute.index("if (!softmax.compute_max_and_vote<IS_FIRST_COL>"):]  # compute_single_tile's
+    skipped = skipped[:skipped.index("return;")]
+    assert skipped.index("cbr_v.wait()") < skipped.index(barrier)
+    assert "complete(" not in skipped  # the caller's KV_TILE_COMPLETE releases K/V after it
+
+
+def test_the_barrier_model_stalls_only_without_the_ordered_releases():
+    """benchmarks/sync_model.py's random schedules of the tile-map kernels' barriers (any warp lagging any time):
+    the kernels' protocol (a warpgroup barrier after the V wait on GMMA-free steps, Q released after it) never
+    stalls, with either mutex turn; releasing Q before that barrier stalls some schedules (the bug it models)."""
+    model = load_script("benchmarks/sync_model.py")
+    for spanning in (False, True):
+        assert all(model.simulate(seed, fix=True, q_after_barrier=True, spanning=spanning)[0] for seed in range(150))
+    assert not all(model.simulate(seed, fix=True)[0] for seed in range(150))
 
 
 def _call(q, seqlens=(300,), **kwargs):
@@ -401,6 +471,22 @@ def test_a_tile_map_of_another_dtype_shape_or_device_is_refused_before_any_work(
         _call(torch.zeros(300, 2, 128, dtype=torch.bfloat16), tile_map=tile_map)
 
 
+def test_a_sequence_past_the_step_words_tiles_is_refused_before_any_work():
+    """The DMA warp names a step's tiles in 16 bits: a sequence of more tiles is refused, one of as many runs."""
+    seq = fmha_v2_sage.MAX_MAP_TILES * 128
+    for keys in (seq, seq + 1):
+        q = torch.empty(keys, 1, 128, dtype=torch.bfloat16, device="meta")
+        tile_map = torch.empty(fmha_v2_sage.tile_map_shape((keys,), (keys,), 1), dtype=torch.int32, device="meta")
+        call = lambda: fmha_v2_sage._check_tile_map(tile_map, q, (keys,), None, 0, fmha_v2_sage.REUSE_KV_STEP,
+                                                    False, 1.0)
+        if keys == seq:
+            call()
+        else:
+            with pytest.raises(ValueError, match=rf"at most {seq} keys \(the kernel names a step's tiles in 16 "
+                                                 rf"bits\); got {keys}"):
+                call()
+
+
 def test_a_tile_map_of_2_31_words_is_refused_before_any_work():
     """The kernel's map offsets are 32-bit: 4M tokens × 40 heads need more (meta tensors: no memory)."""
     seq, heads = 4_000_000, 40
@@ -412,17 +498,19 @@ def test_a_tile_map_of_2_31_words_is_refused_before_any_work():
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(k_block=64), r"k_block=0, kv_step=128 \(or kv_step=256 with skip_factor > 0: a zeroed map written\) "
-                       r"and no return_lse; got k_block=64"),
-    # 256-key steps write a zeroed map, testing every tile: without the test there is nothing to write
-    (dict(kv_step=256, skip_factor=0.0), "got k_block=0, kv_step=256, skip_factor=0.0"),
-    (dict(kv_step=256, k_block=64), "got k_block=64, kv_step=256"),
+    (dict(k_block=64), r"k_block=0, kv_step=256 and no return_lse \(fresh_map, a zeroed map written: with "
+                       r"skip_factor > 0\); got k_block=64"),
+    (dict(kv_step=128), "got k_block=0, kv_step=128"),
+    # a zeroed map written tests every tile: without the test there is nothing to write
+    (dict(fresh_map=True, skip_factor=0.0), "got k_block=0, kv_step=256, skip_factor=0.0, return_lse=False, "
+                                            "fresh_map=True"),
     (dict(return_lse=True), "return_lse=True"),
     (dict(skip_counts=torch.zeros(1, dtype=torch.int32)), r"int32 \[2\] tensor on cpu \(with a tile map: tested"),
+    (dict(tile_map=None, fresh_map=True), "fresh_map=True writes a tile map: pass the zeroed map as tile_map"),
 ])
 def test_a_tile_map_needs_the_tile_map_kernel_and_two_counts(kwargs, words):
     q = torch.zeros(300, 2, 128, dtype=torch.bfloat16)
-    call = dict(k_block=0, kv_step=128, skip_factor=1.0, tile_map=torch.zeros(1, 2, 5, 1, dtype=torch.int32)) | kwargs
+    call = dict(k_block=0, kv_step=256, skip_factor=1.0, tile_map=torch.zeros(1, 2, 5, 1, dtype=torch.int32)) | kwargs
     cu = torch.tensor([0, 300], dtype=torch.int32)
     with pytest.raises(ValueError, match=words):
         fmha_v2_sage.fmha_v2_sage_attention(q, q, q, cu, (300,), SCALE, **call)
@@ -461,12 +549,12 @@ def test_the_binding_gets_a_copy_of_the_map_and_the_map_itself(monkeypatch):
     entry, written = seen[11], seen[12]
     assert written is tile_map  # updated in place
     assert torch.equal(entry, tile_map) and entry.data_ptr() != tile_map.data_ptr()  # read from a copy
-    # the map-writing kernel (256-key steps, a zeroed map) reads none of it: no copy
+    # the map-writing kernel (a zeroed map) reads none of it: no copy, which tells the binding which kernel runs
     seen.clear()
     fmha_v2_sage.sage_attention_packed(packed, torch.tensor([0, tokens], dtype=torch.int32), (tokens,), heads,
-                                       SCALE, 1.0, fmha_v2_sage.FRESH_KV_STEP, torch.zeros(1, dtype=torch.int32),
-                                       None, tile_map)
-    assert seen[11].numel() == 0 and seen[12] is tile_map and seen[18] == fmha_v2_sage.FRESH_KV_STEP
+                                       SCALE, 1.0, fmha_v2_sage.REUSE_KV_STEP, torch.zeros(1, dtype=torch.int32),
+                                       None, tile_map, fresh_map=True)
+    assert seen[11].numel() == 0 and seen[12] is tile_map and seen[18] == fmha_v2_sage.REUSE_KV_STEP
 
 
 def _fake_kernel(monkeypatch, skipped):
@@ -490,8 +578,8 @@ def _qkv(seqlens_q, seqlens_kv, heads):
 
 @pytest.mark.parametrize("given", ["plan-map", "zeroed-map", "no-map"])
 def test_the_hopper_sage_route_runs_a_reuse_plan_with_its_map_and_reports_both_counts(monkeypatch, given):
-    """A map to reuse runs on the tile-map kernel (128-key steps); a zeroed one (the plan says so: a reuse
-    window's first step) or none runs on the Skip-Softmax kernel's 256-key steps, which writes the map."""
+    """A map to reuse runs on the tile-map kernel; a zeroed one (the plan says so: a reuse window's first step) or
+    none runs on the map-writing Skip-Softmax kernel, both at 256-key steps."""
     seen = _fake_kernel(monkeypatch, skipped=7)
     qkv = _qkv((100, 150), (164, 300), 4)
     shape = fmha_v2_sage.tile_map_shape(qkv.seqlens_q, qkv.seqlens_kv, 4)
@@ -503,8 +591,8 @@ def test_the_hopper_sage_route_runs_a_reuse_plan_with_its_map_and_reports_both_c
     result = trtllm._run_hopper_sage(qkv, plan)
     assert result.tile_map is seen["tile_map"] and tuple(result.tile_map.shape) == shape
     assert (result.tile_map is tile_map) if tile_map is not None else not result.tile_map.any()
-    kv_step = fmha_v2_sage.FRESH_KV_STEP if plan.fresh_map else fmha_v2_sage.REUSE_KV_STEP
-    assert seen["k_block"] == fmha_v2_sage.REUSE_K_BLOCK and seen["kv_step"] == kv_step
+    assert seen["k_block"] == fmha_v2_sage.REUSE_K_BLOCK and seen["kv_step"] == fmha_v2_sage.REUSE_KV_STEP
+    assert seen["fresh_map"] == plan.fresh_map
     assert int(result.skipped_tiles) == 7 and int(result.reused_tiles) == (2 * torch.tensor(shape).prod()
                                                                            if given == "plan-map" else 0)
     assert result.total_tiles == fmha_v2_sage.skip_tiles((164, 300), 4)
@@ -580,22 +668,23 @@ SHAPES = {"self": ((1100, 300, 4500), (1100, 300, 4500)), "fewer-queries": ((600
 def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths):
     """A reuse window's first step (no map, or a zeroed one) runs the Skip-Softmax kernel's 256-key steps, which
     also writes the map: its output and count are that kernel's without a map, its map the reference's decisions
-    at those steps. The tile-map kernel from a zeroed map (128-key steps) is today's 128-key kernel likewise."""
+    at those steps. The tile-map kernel from a zeroed map (every tile loaded: its pairs are the 256-key steps) is
+    that kernel likewise, though it runs a half its test skips as zeros where that kernel leaves its P·V out."""
     _hopper()
     qkv = peaky_qkv(*lengths, 8, 2)
 
-    def today(kv_step, tile_map=None):
+    def today(tile_map=None, fresh_map=False):
         counts = torch.zeros(1 if tile_map is None else 2, dtype=torch.int32, device=qkv.q.device)
         out = fmha_v2_sage.fmha_v2_sage_attention(
             qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), qkv.seqlens_kv, SCALE, cu_seqlens_q=qkv.cu_seqlens("q"),
-            seqlens_q=qkv.seqlens_q, k_block=0, kv_step=kv_step, skip_factor=300.0, skip_counts=counts,
-            tile_map=tile_map)
+            seqlens_q=qkv.seqlens_q, k_block=0, kv_step=256, skip_factor=300.0, skip_counts=counts,
+            tile_map=tile_map, fresh_map=fresh_map)
         return out, counts
 
     fresh = run_backend("TRTLLM_ATTN", qkv, _plan(300.0))
     zeroed = torch.zeros_like(fresh.tile_map)
     again = run_backend("TRTLLM_ATTN", qkv, dataclasses.replace(_plan(300.0, zeroed), map_zeroed=True))
-    plain, plain_skipped = today(fmha_v2_sage.FRESH_KV_STEP)
+    plain, plain_skipped = today()
     for result in (fresh, again):
         assert torch.equal(result.out, plain)  # the map written on the side: the same decisions, the same sums
         assert int(result.skipped_tiles) == int(plain_skipped) and int(result.reused_tiles) == 0
@@ -605,12 +694,12 @@ def test_gpu_a_fresh_map_runs_todays_kernel_and_fills_the_references_map(lengths
     assert 0.1 < int(ref.skipped_tiles) / ref.total_tiles < 0.9
     # the reference emulates sm_90's fp8 sums: its decisions are the kernel's
     _assert_decides_as_reference(fresh, ref, qkv)
-    # the tile-map kernel from a zeroed map, one tile per step: today's 128-key kernel and its decisions
+    # the tile-map kernel from a zeroed map, its pairs aligned: today's 256-key kernel and its decisions (a half
+    # as zeros adds exact zeros to P·V)
     mapped_map = torch.zeros_like(fresh.tile_map)
-    mapped, mapped_counts = today(fmha_v2_sage.REUSE_KV_STEP, mapped_map)
-    step_128, step_128_skipped = today(fmha_v2_sage.REUSE_KV_STEP)
-    assert torch.equal(mapped, step_128) and int(mapped_counts[0]) == int(step_128_skipped)
-    assert int(mapped_counts[1]) == 0 and int(bits_set(mapped_map).sum()) == int(step_128_skipped)
+    mapped, mapped_counts = today(mapped_map)
+    assert torch.equal(mapped, plain) and int(mapped_counts[0]) == int(plain_skipped)
+    assert int(mapped_counts[1]) == 0 and torch.equal(mapped_map, fresh.tile_map)
 
 
 @pytest.mark.gpu

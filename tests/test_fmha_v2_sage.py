@@ -6,6 +6,7 @@ set before Triton is imported), and every refusal. GPU (``-m gpu``, sm_90): the 
 ``TRTLLM_ATTN`` against ``TORCH_REFERENCE`` of the same semantics and against exact float32 attention.
 """
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -73,7 +74,7 @@ def test_generated_sources_hold_one_padding_mask_sage_kernel_each():
 def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     sources = fmha_v2_sage.kernel_sources()
     patches = fmha_v2_sage.header_patch_files()
-    assert sum(len(fmha_v2_sage.read_patch(patch)) for patch in patches) == 53
+    assert sum(len(fmha_v2_sage.read_patch(patch)) for patch in patches) == 68
     # each hunk's text is in the headers once its patch is applied (a later patch may rewrite it: the tile-map
     # patch rewrites lines of the skip patches), and the build reads the headers with every patch applied
     for applied in range(1, len(patches) + 1):
@@ -95,9 +96,10 @@ def test_sources_carry_every_header_patch_and_the_build_reads_them_first():
     turn = "MUTEX_TURN_SPANS_BMM2"
     assert (f"{turn} = ENABLE_MUTEX && Kernel_traits::STEP_KV == 256 &&\n"
             "         !Kernel_traits::ENABLE_SKIP_SOFTMAX") in compute
-    assert compute.count(f"if constexpr ({turn})") == 2 and f"if (IS_FIRST_COL || !{turn})" in compute
-    # (the tile-map kernels' empty turn adds one wait and one arrive: tests/test_fmha_v2_reuse.py)
-    assert compute.count("mutex.wait();") == 3 and compute.count("mutex.arrive();") == 2
+    # (the tile-map kernels' empty turn adds one of each, or where the turn spans, ends the one held and takes the
+    # next, a first step's taking one first: tests/test_fmha_v2_reuse.py)
+    assert compute.count(f"if constexpr ({turn})") == 3 and f"if (IS_FIRST_COL || !{turn})" in compute
+    assert compute.count("mutex.wait();") == 5 and compute.count("mutex.arrive();") == 3
     assert compute.count("mutex_accessor.arrive();") == 2  # WG1's bootstrap and the end of the last turn
     # skip counts: every KV step of a warpgroup adds its tiles; one add per warpgroup at its end, none without
     # the caller's pointer, and the build defines the flag that gives the params struct that pointer
@@ -143,9 +145,9 @@ def test_fp8_kernels_leave_the_output_unscaled_only_where_no_row_of_the_warp_has
 # headers were never checked, fails here.
 PATCHED_HEADERS_SHA256 = {
     **dict.fromkeys(("0.6.18.post1", "0.7.0", "0.7.0.post1", "0.7.1"),
-                    "34b994964542da8aee70c80869783bd18c0c5e1a26440ad59f034c7f3204e2d2"),
-    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "0ae057d58e2e2a7a49233336e274c2dea175fe0eb5f18c3e56557c10befba9ee"),
-    "0.7.4": "5aa2d8776e8477d648e15ae3aadd38d470d6a6a3880968753eae42219ec7de22",
+                    "c809d668487d039fc0a785f165379ec755fdb19f44ab50930c2026477b4ec271"),
+    **dict.fromkeys(("0.7.2", "0.7.2.post1"), "fb12c44fa34836ed1357ef47e5b355187efa2978201bee5d638612e5fb6ef744"),
+    "0.7.4": "421d1062488702c851a32bad5cbc7d6b6f0e2a0a7e3415b15e3c813a1637c91a",
 }
 
 
@@ -282,8 +284,9 @@ def test_semantics_by_gpu(monkeypatch):
                             fp8_accumulator_bits=14, skip_tile=(64, 128), q_padded_to_kv=True)
     assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20)) == fmha_v2
     assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (20, 20)) == fmha_v2  # fewer queries: zero-padded
-    # Skip-Softmax reuse: a reusing step one tile per KV step; a fresh map's step the Skip-Softmax kernel's
-    assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20), reuse=True).kv_step == 128
+    # Skip-Softmax reuse: a reusing step two gathered tiles per KV step; a fresh map's step the Skip-Softmax kernel's
+    assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20), reuse=True) == dataclasses.replace(
+        fmha_v2, paired_tiles=True)
     assert trtllm.sage_semantics(fp8, "cuda", (10, 20), (10, 20), reuse=True, fresh_map=True) == fmha_v2
     # more queries than keys, the Triton kernel: skip decisions per its dense launch's tile, in the heads where its
     # sample finds they pay;

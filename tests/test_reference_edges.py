@@ -385,3 +385,45 @@ def test_partial_results_over_key_chunks_merge_by_their_log_sum_exp(chunks):
     unshifted = rel_err(merge_by_lse([(o, l - scale * (q * kk[a:b].mean(dim=0)).sum(-1))
                                       for (o, _, _, l), a, b in zip(sage, bounds, bounds[1:])])[0], exact)
     assert merged <= 1.1 * one_call and unshifted > 1.3 * one_call, (one_call, merged, unshifted)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paired_tiles_decide_as_256_key_steps_over_the_tiles_a_pair_of_query_tiles_loads(seed):
+    """The FMHAv2 tile-map kernel's gathered steps (SageSemantics.paired_tiles): where both query tiles of a pair
+    reuse the same tiles, a pair decides as the 256-key-step kernel on its keys without those tiles (each tile
+    against the running max at its step's start, a step two loaded tiles). Scores are exact sums and K's
+    statistics are fixed, so both see the same fp8 scores; the map's new bits must agree tile for tile."""
+    from diffusers_trtllm.backends.base import pack_tile_map, unpack_tile_map
+
+    g = torch.Generator().manual_seed(seed)
+    n, heads, tiles = 128 * 12, 2, 12
+    positions = torch.arange(n, dtype=torch.float32)[:, None]
+    feature = torch.cat([torch.sin(positions * torch.logspace(-3, -1, 64)),
+                         torch.cos(positions * torch.logspace(-3, -1, 64))], 1)[:, None]
+    q, k = (feature * 1.5 + 0.3 * torch.randn(n, heads, 128, generator=g) for _ in range(2))
+    v = torch.randn(n, heads, 128, generator=g)
+    k[0] = 6.0  # K's largest value in tile 0, which every pair loads: its fp8 scale is the same without other tiles
+    k_mean, v_scale = batch_statistics(k, v)
+    semantics = fmha_v2_sage_semantics(0, 256, fp8_accumulator_bits=None, paired_tiles=True)
+    reused = torch.rand(heads, n // 128, tiles, generator=g) < 0.4  # per (head, pair of query tiles)
+    reused[..., 0] = False
+    tile_map = pack_tile_map(reused.repeat_interleave(2, dim=1), 1)
+    lam = 0.02
+    common = dict(quant=semantics, tile=(64, 128), kv_step=256, k_mean=k_mean, v_scale=v_scale)
+    _, skipped, _ = reference_attention(q, k, v, 128 ** -0.5, skip_lambda=lam, tile_map=tile_map, **common)
+    new = unpack_tile_map(tile_map, tiles) & ~reused.repeat_interleave(2, dim=1)
+    assert int(skipped) == int(new.sum()) > 0
+    unpaired = dict(common, quant=fmha_v2_sage_semantics(0, 256, fp8_accumulator_bits=None))
+    for pair in range(n // 128):
+        for h in range(heads):
+            loaded = [t for t in range(tiles) if not reused[h, pair, t]]
+            keys = torch.cat([torch.arange(128 * t, 128 * t + 128) for t in loaded])
+            rows = slice(128 * pair, 128 * pair + 128)
+            single = dict(unpaired, k_mean=k_mean[h:h + 1], v_scale=v_scale[h:h + 1])
+            compact_map = torch.zeros(1, -(-len(keys) // 64), 1, dtype=torch.int32)
+            reference_attention(q[rows, h:h + 1], k[keys, h:h + 1], v[keys, h:h + 1], 128 ** -0.5, skip_lambda=lam,
+                                tile_map=compact_map, **single)
+            compact = unpack_tile_map(compact_map[0, :2], len(loaded))  # the pair's two real query tiles
+            expected = torch.zeros(2, tiles, dtype=torch.bool)
+            expected[:, loaded] = compact
+            assert torch.equal(new[h, 2 * pair:2 * pair + 2], expected), (pair, h)

@@ -399,7 +399,8 @@ def test_fmha_v2s_reuse_steps_one_tile_at_a_time_and_the_reference_follows(monke
     qkv = VarlenQKV(*(torch.zeros(256, 2, 128, dtype=torch.bfloat16) for _ in range(3)), (256,), (256,))
     plan = KernelPlan("TRTLLM_ATTN", 0.1, skip_factor=5.0, quant=fp8, reuse=True)
     assert trtllm.unavailable_reason(plan, qkv) is None
-    assert trtllm.sage_semantics(fp8, "cuda", reuse=True).kv_step == fmha_v2_sage.REUSE_KV_STEP == 128
+    reusing = trtllm.sage_semantics(fp8, "cuda", reuse=True)
+    assert reusing.kv_step == fmha_v2_sage.REUSE_KV_STEP == 256 and reusing.paired_tiles
     assert trtllm.sage_semantics(fp8, "cuda").kv_step == trtllm.FMHA_V2_KV_STEP == 256
     asked = []
     chosen = reference.sage_semantics
@@ -467,13 +468,13 @@ def test_the_profiling_script_builds_an_other_tile_map_patch_apart(tmp_path, mon
     package_headers = fmha_v2_sage.patched_headers()
     package_name = fmha_v2_sage._module_name(fmha_v2_sage.kernel_sources())
     patch = (fmha_v2_sage.PATCH_FOLDER / "tile_map_reuse.patch").read_text()
-    marked = "the maps' row of query tile `q_tile` (-1 without a map or a row),"
+    marked = "// the halves of the step this warpgroup reuses (bit 0 the first)"
     assert patch.count(marked) == 1
-    (tmp_path / "other.patch").write_text(patch.replace(marked, marked.replace("(-1", "(A/B: -1")))
+    (tmp_path / "other.patch").write_text(patch.replace(marked, marked.replace("(bit 0", "(A/B: bit 0")))
     load_script("benchmarks/reuse_profile.py").use_tile_map_patch(tmp_path / "other.patch")
     headers = fmha_v2_sage.patched_headers()
     assert [path for path in headers if headers[path] != package_headers[path]] == ["fmha/warpspec/compute.h"]
-    assert "`q_tile` (A/B: -1 without a map" in headers["fmha/warpspec/compute.h"]
+    assert "reuses (A/B: bit 0 the first)" in headers["fmha/warpspec/compute.h"]
     assert [p.name for p in fmha_v2_sage.header_patch_files()] == [
         f"{name}.patch" for name in fmha_v2_sage.HEADER_PATCHES]
     assert all(p.read_text() == (pathlib.Path(fmha_v2_sage.__file__).with_name("csrc") / "fmha_v2_patches" /

@@ -116,17 +116,20 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
     ``tile_map`` (int32 ``[Hq, ≥ query tiles, words]``, :func:`~.base.tile_map_for`'s layout for this sequence):
     Skip-Softmax reuse. A tile whose bit is set is skipped without being computed (its scores enter neither the
-    running max nor the sum); the others are tested as above; on return the map holds every tile skipped (updated
-    in place) and the skipped count is of the tiles the test skipped (the reused ones are the bits set on entry).
+    running max nor the sum); the others are tested as above (with ``quant.paired_tiles``, each against the running
+    max at the start of its gathered step, :func:`first_of_paired_steps`); on return the map holds every tile
+    skipped (updated in place) and the skipped count is of the tiles the test skipped (the reused ones are the bits
+    set on entry).
     """
     if quant is not None and quant.q_padded_to_kv and q.shape[0] != k.shape[0]:
         if causal or q.shape[0] > k.shape[0]:
             raise ValueError(f"SageSemantics.q_padded_to_kv pads queries to the keys in non-causal attention; got "
                              f"{q.shape[0]} queries on {k.shape[0]} keys, causal={causal}")
         zeros = q.new_zeros(k.shape[0] - q.shape[0], *q.shape[1:])
-        # the padded queries' tiles have map rows of their own, dropped after the call
+        # the padded queries' tiles have map rows of their own, dropped after the call; with paired tiles a query
+        # tile past the map's rows reuses every tile, as the kernel's tiles without a map row do
         padded_map = None if tile_map is None else torch.nn.functional.pad(
-            tile_map, (0, 0, 0, -(-k.shape[0] // tile[0]) - tile_map.shape[1]))
+            tile_map, (0, 0, 0, -(-k.shape[0] // tile[0]) - tile_map.shape[1]), value=-1 if quant.paired_tiles else 0)
         result = reference_attention(torch.cat([q, zeros]), k, v, scale, skip_lambda=skip_lambda, quant=quant,
                                      tile=tile, kv_step=kv_step, query_chunk=query_chunk, k_mean=k_mean,
                                      v_scale=v_scale, with_lse=with_lse, tile_map=padded_map)
@@ -171,6 +174,20 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return result + (lse_s.new_empty(q.shape[:2]).index_copy_(0, sampled, lse_s).index_copy_(0, others, lse_o),)
 
 
+def first_of_paired_steps(reused: torch.Tensor) -> torch.Tensor:
+    """bool ``[H, query tiles, KV tiles]``: where KV tile ``j`` opens a step of the tile-map kernel's gathered
+    steps for query tile ``i`` (``SageSemantics.paired_tiles``), given ``reused`` (the map's bits, same shape).
+    Query tiles ``2k`` and ``2k + 1`` share steps: the first tile (loaded whatever the map: it starts the
+    softmax) and the tiles either computes (not reused by both; a missing partner reuses everything), two to a
+    step in key order, so a tile opens a step where an even number of them come before it."""
+    heads, q_tiles, kv_tiles = reused.shape
+    padded = torch.nn.functional.pad(reused, (0, 0, 0, q_tiles % 2), value=True)
+    loaded = ~padded.view(heads, -1, 2, kv_tiles).all(dim=2)  # [H, pairs, KV tiles]
+    loaded[..., 0] = True
+    before = loaded.cumsum(dim=-1) - loaded.long()
+    return (loaded & (before % 2 == 0)).repeat_interleave(2, dim=1)[:, :q_tiles]
+
+
 def tiles_in_map(tile_map: torch.Tensor) -> torch.Tensor:
     """Set bits per head (int64 ``[H]``) of a sequence's tile map ``[H, query tiles, words]``."""
     return bits_set(tile_map).flatten(1).sum(1)
@@ -186,7 +203,9 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
     sq, hq, d = q.shape
     skv, hkv = k.shape[:2]
     tq, tk = tile
-    step = step_keys(kv_step, tk)
+    # gathered steps: the loop goes a tile at a time, deciding each against its step's running max
+    paired = tile_map is not None and quant is not None and quant.paired_tiles
+    step = tk if paired else step_keys(kv_step, tk)
     chunk = max(tq, query_chunk // tq * tq)
     q, k, v = (x.to(compute) for x in (q, k, v))
     if hkv != hq:
@@ -221,12 +240,14 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
     if tile_map is not None:
         reused_all = unpack_tile_map(tile_map[:, :-(-sq // tq)], -(-skv // tk))  # [H, query tiles, KV tiles]
         skipped_all = reused_all.clone()
+        opens_step = first_of_paired_steps(reused_all) if paired else None
     for c0 in range(0, sq, chunk):
         rows = min(chunk, sq - c0)
         qc = qh[:, c0:c0 + rows]
         m = torch.full((hq, rows), -math.inf, dtype=compute, device=q.device)
         lsum = torch.zeros(hq, rows, dtype=compute, device=q.device)
         acc = torch.zeros(hq, rows, d, dtype=compute, device=q.device)
+        step_m = m  # the running max at the step's start, which the tests compare with
         ntq = -(-rows // tq)
         row_pad = ntq * tq - rows
         for j0 in range(0, skv, step):
@@ -241,12 +262,17 @@ def _tiled_attention(q, k, v, scale, causal, skip_lambda, quant, tile, kv_step, 
             ntk = -(-cols // tk)
             # per-tile row maxima [H, rows, ntk]; a partial last tile is padded with -inf
             tmax = torch.nn.functional.pad(s, (0, ntk * tk - cols), value=-math.inf).view(hq, rows, ntk, tk).amax(-1)
+            if paired:  # a gathered step opens at this tile for some query tiles: their rows' max at its start
+                opens = opens_step[:, c0 // tq:c0 // tq + ntq, j0 // tk].repeat_interleave(tq, dim=1)[:, :rows]
+                step_m = torch.where(opens, m, step_m)
+            else:
+                step_m = m
             if skipping:
                 # A row finds a tile negligible when it adds nothing (all masked) or when its max is far below the
                 # running max at the step's start; a row with no running max yet (first step) never does. A head
                 # with λ = 0 runs dense.
-                started = (m > -math.inf)[..., None]
-                below = ((tmax == -math.inf) | (started & (torch.exp(tmax - m[..., None]) < lam))) & (lam > 0)
+                started = (step_m > -math.inf)[..., None]
+                below = ((tmax == -math.inf) | (started & (torch.exp(tmax - step_m[..., None]) < lam))) & (lam > 0)
                 padded = torch.nn.functional.pad(below, (0, 0, 0, row_pad), value=True)
                 tile_skip = padded.view(hq, ntq, tq, ntk).all(dim=2)  # [H, ntq, ntk]
                 if tile_map is not None:

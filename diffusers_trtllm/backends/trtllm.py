@@ -44,9 +44,10 @@ statistics, FlashAttention-4 from its own, trtllm-gen from its base-2 log-sum-ex
 log-sum-exp (torch SDPA gives none; FMHAv2 is as fast on self-attention); the Triton SAGE kernel writes it too.
 
 Skip-Softmax reuse (``KernelPlan.reuse``, tile maps kept across steps): both Hopper SAGE kernels read a map and skip
-its tiles without loading them, FMHAv2's at one 128-key tile per step, a fresh map (``KernelPlan.fresh_map``) on
-its Skip-Softmax kernel's 256-key steps, which writes the map (:func:`sage_semantics` with ``reuse`` and
-``fresh_map``; :func:`reuse_unavailable_reason` says which plans run it).
+its tiles without loading them, FMHAv2's at 256-key steps of two gathered tiles (``SageSemantics.paired_tiles``), a
+fresh map (``KernelPlan.fresh_map``) on its Skip-Softmax kernel's steps, which writes the map
+(:func:`sage_semantics` with ``reuse`` and ``fresh_map``; :func:`reuse_unavailable_reason` says which plans run
+it).
 
 Skip-Softmax decisions are taken per 128 × 128 tile by FMHAv2 bf16 on Hopper (the reference backend at
 ``tile=(128, 128)`` predicts them), per 64 × 128 by the FMHAv2 SAGE kernel (both halves of a 256-key step against
@@ -180,12 +181,14 @@ def _log_choice(arch: str, quant: AttnQuantSpec, semantics: SageSemantics, kerne
 
 
 def fmha_v2_sage_semantics(k_block: int, kv_step: int = FMHA_V2_KV_STEP,
-                           fp8_accumulator_bits: int | None = SM90_FP8_ACCUMULATOR_BITS) -> SageSemantics:
+                           fp8_accumulator_bits: int | None = SM90_FP8_ACCUMULATOR_BITS,
+                           paired_tiles: bool = False) -> SageSemantics:
     """What the FMHAv2 SAGE kernel with K scale block ``k_block`` and ``kv_step`` keys per step computes
-    (``fp8_accumulator_bits`` None: the same with exact sums, a reference for comparison)."""
+    (``fp8_accumulator_bits`` None: the same with exact sums, a reference for comparison; ``paired_tiles``: the
+    tile-map kernel's gathered steps)."""
     return SageSemantics("fp8_e4m3", fmha_v2_sage.Q_BLOCK, k_block, p_scale=fmha_v2_sage.P_SCALE, kv_step=kv_step,
                          fp8_accumulator_bits=fp8_accumulator_bits, skip_tile=fmha_v2_sage.SKIP_TILE,
-                         q_padded_to_kv=True)
+                         q_padded_to_kv=True, paired_tiles=paired_tiles)
 
 
 def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(1,), seqlens_kv=(1,), heads: int = 1,
@@ -194,8 +197,8 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     """What the SAGE kernel that ``TRTLLM_ATTN`` runs for ``quant`` on ``device`` computes for a batch of these
     lengths and query ``heads`` (block sizes resolved, P's fp8 scale, per-sequence or batch-wide statistics, the
     Triton kernel's sample of query tiles); ``reuse``: for a plan reusing tile maps (FMHAv2's tile-map kernel
-    steps through the keys one tile at a time), unless ``fresh_map`` (``KernelPlan.fresh_map``: FMHAv2 runs a
-    zeroed map on its Skip-Softmax kernel's steps, which writes the map). On a device without TRT-LLM kernels:
+    gathers two tiles a step, ``SageSemantics.paired_tiles``), unless ``fresh_map`` (``KernelPlan.fresh_map``:
+    FMHAv2 runs a zeroed map on its Skip-Softmax kernel's steps, which writes the map). On a device without TRT-LLM kernels:
     this package's Triton kernel's semantics, with unset blocks as :data:`PORTABLE_BLOCKS`, deciding skips per
     ``tile``."""
     arch = gpu_arch(device)
@@ -203,10 +206,8 @@ def sage_semantics(quant: AttnQuantSpec, device: torch.device | str, seqlens_q=(
     unset = quant.q_block_size is None or quant.k_block_size is None
     if arch in FMHA_V2_ARCHS and _hopper_sage_kernel(quant, more_queries) == "fmha_v2":
         k_block = FMHA_V2_DEFAULT_K_BLOCK if quant.k_block_size is None else quant.k_block_size
-        kv_step = FMHA_V2_KV_STEP
-        if reuse:
-            kv_step = fmha_v2_sage.FRESH_KV_STEP if fresh_map else fmha_v2_sage.REUSE_KV_STEP
-        semantics = fmha_v2_sage_semantics(k_block, kv_step)
+        kv_step = fmha_v2_sage.REUSE_KV_STEP if reuse else FMHA_V2_KV_STEP
+        semantics = fmha_v2_sage_semantics(k_block, kv_step, paired_tiles=reuse and not fresh_map)
         kernel = "FMHAv2 (TRT-LLM, warp-specialized)"
     else:
         q_block = PORTABLE_BLOCKS[0] if quant.q_block_size is None else quant.q_block_size
@@ -362,7 +363,7 @@ def _run_hopper_sage(qkv: VarlenQKV, plan: KernelPlan) -> KernelResult:
             qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), tuple(qkv.seqlens_kv), plan.scale,
             cu_seqlens_q=qkv.cu_seqlens("q"), seqlens_q=tuple(qkv.seqlens_q), k_block=semantics.k_block,
             kv_step=semantics.kv_step, skip_factor=plan.skip_factor, skip_counts=skipped, return_lse=plan.return_lse,
-            tile_map=tile_map)
+            tile_map=tile_map, fresh_map=tile_map is not None and plan.fresh_map)
         out, lse = result if plan.return_lse else (result, None)
         if not counting:
             return KernelResult(out, lse=lse)

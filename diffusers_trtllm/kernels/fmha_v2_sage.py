@@ -21,12 +21,12 @@ Semantics (what :func:`fmha_v2_sage_attention` computes; the reference's ``fmha_
   KV step (``kv_step`` keys: 256, the generator's choice for e4m3, whose halves are decided apart
   (``half_step_skip.patch``), or 128); the first KV step is never skipped;
 - Skip-Softmax reuse with a tile map (the tiles an earlier call skipped, :func:`tile_map_shape`), in a separate
-  kernel (``tile_map_reuse.patch``) at :data:`REUSE_KV_STEP` keys per step, one tile, so that a reused tile
-  costs its warpgroup nothing whatever its neighbour does: the map's tiles are skipped untested, without their
-  K/V loads where both warpgroups of a CTA reuse them, the others tested as above, and the tiles the test skipped
-  are added to the map; at ``skip_factor`` 0 a second tile-map kernel without the test computes the others and
-  leaves the map as it was. A zeroed map (a reuse window's first step: every tile tested) runs at 256-key steps
-  instead, on the Skip-Softmax kernel that also writes the tiles it skips into the map (:data:`FRESH_KV_STEP`).
+  kernel (``tile_map_reuse.patch``) at :data:`REUSE_KV_STEP` keys per step, each step two gathered 128-key tiles
+  (the next two that either warpgroup of a CTA computes; a tile both reuse is never loaded): the map's tiles are
+  skipped untested, the others tested as above, each against the running max at its step's start, and the
+  tiles the test skipped are added to the map; at ``skip_factor`` 0 a second tile-map kernel without the test
+  computes the others and leaves the map as it was. A zeroed map (a reuse window's first step: every tile
+  tested, ``fresh_map``) runs on the Skip-Softmax kernel that also writes the tiles it skips into the map.
 
 The kernel reads Q and K from one packed ``[tokens, Hq + Hkv, 128]`` e4m3 tensor (``PACKED_QKV``), so it runs
 every sequence with as many queries as keys, and V already transposed (``v_layout.patch``). A sequence with fewer
@@ -93,12 +93,13 @@ class SageKernel:
 LSE_KV_STEP = 256
 
 
-# The tile-map kernel: K block 0 (the route's default) at one tile per KV step. Its 256-key twin was slower at
-# Wan's size and stalled on drifted maps (benchmarks/RESULTS.md, 2026-12-05), so it is not built.
-REUSE_K_BLOCK, REUSE_KV_STEP = 0, 128
-# A zeroed map (every tile tested, the map written) runs on the Skip-Softmax kernel of this KV step, which also
-# writes the map: the 256-key kernel was faster than the tile-map kernel from a zeroed map (benchmarks/RESULTS.md)
-FRESH_KV_STEP = 256
+# The tile-map kernels: K block 0 (the route's default) at steps of two gathered 128-key tiles, which ran their
+# computed tiles 7-8 % faster than steps of one tile (benchmarks/RESULTS.md, 2026-12-06). A zeroed map (every
+# tile tested, the map written: ``fresh_map``) runs on the Skip-Softmax kernel of the same step, built again to
+# write the map: from a zeroed map it was faster than the tile-map kernel, which runs a half the test skips as
+# zeros where that kernel leaves its P·V out (benchmarks/RESULTS.md)
+REUSE_K_BLOCK, REUSE_KV_STEP = 0, 256
+MAX_MAP_TILES = 0xFFFF  # KV tiles of a sequence with a tile map: the DMA warp's step word names a tile in 16 bits
 
 
 def sage_kernels() -> tuple[SageKernel, ...]:
@@ -107,12 +108,12 @@ def sage_kernels() -> tuple[SageKernel, ...]:
     writing the softmax statistics (a separate kernel: the others stay as they were), and the kernels at
     :data:`REUSE_K_BLOCK` and :data:`REUSE_KV_STEP`, with and without Skip-Softmax, again reusing a tile map (the
     one without runs a map at ``skip_factor`` 0: it skips the map's tiles and tests nothing), and the Skip-Softmax
-    kernel at :data:`REUSE_K_BLOCK` and :data:`FRESH_KV_STEP` again writing the tiles it skips into a zeroed map."""
+    kernel there again writing the tiles it skips into a zeroed map."""
     plain = tuple(SageKernel(k_block, kv_step, skip) for kv_step in KV_STEPS for k_block in K_BLOCKS
                   for skip in (False, True) if not (k_block == 128 and kv_step != 256))
     return (plain + tuple(dataclasses.replace(k, lse=True) for k in plain if k.kv_step == LSE_KV_STEP)
             + tuple(SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, skip, reuse=True) for skip in (True, False))
-            + (SageKernel(REUSE_K_BLOCK, FRESH_KV_STEP, True, map_out=True),))
+            + (SageKernel(REUSE_K_BLOCK, REUSE_KV_STEP, True, map_out=True),))
 
 
 SKIP_TILE = (Q_BLOCK, 128)  # (query rows, keys) per skip decision: one warpgroup's rows, half a 256-key step
@@ -247,8 +248,8 @@ def kernel_sources() -> dict[str, str]:
     """File name -> CUDA source of every generated kernel (a tile-map kernel's defines
     ``DIFFUSERS_TRTLLM_TILE_MAP`` ahead of FMHAv2's headers, the map-writing kernel's
     ``DIFFUSERS_TRTLLM_TILE_MAP_OUT``), ``sage_kernels.h`` (the launchers' declarations
-    and ``launch_sage_kernel``, which dispatches on q block, k block, KV step, skip-softmax, softmax statistics
-    and tile map) and the patched FMHAv2 headers (:func:`patched_headers`)."""
+    and ``launch_sage_kernel``, which dispatches on q block, k block, KV step, skip-softmax, softmax statistics,
+    tile map and whether the map is read) and the patched FMHAv2 headers (:func:`patched_headers`)."""
     from flashinfer.jit.attention.fmha_v2.fmha_library import get_kernel_code
 
     sources, declarations, branches = {}, [], []
@@ -261,7 +262,8 @@ def kernel_sources() -> dict[str, str]:
         declarations.append(f"void {launcher}(Params& params, const Launch_params& launch, cudaStream_t stream);")
         branches.append(f"  if (q_block == {Q_BLOCK} && k_block == {kernel.k_block} && kv_step == {kernel.kv_step} "
                         f"&& skip == {str(kernel.skip_softmax).lower()} && lse == {str(kernel.lse).lower()} "
-                        f"&& tile_map == {str(kernel.tile_map).lower()}) {{\n"
+                        f"&& tile_map == {str(kernel.tile_map).lower()} && reads_map == {str(kernel.reuse).lower()}) "
+                        "{\n"
                         f"    {launcher}(params, launch, stream);\n    return true;\n  }}")
     sources["sage_kernels.h"] = "\n".join([
         "// Generated by diffusers_trtllm/kernels/fmha_v2_sage.py.",
@@ -271,6 +273,7 @@ def kernel_sources() -> dict[str, str]:
         "using Launch_params = bert::Fused_multihead_attention_launch_params;",
         *declarations,
         "inline bool launch_sage_kernel(int q_block, int k_block, int kv_step, bool skip, bool lse, bool tile_map,",
+        "                               bool reads_map,",
         "                               Params& params, const Launch_params& launch, cudaStream_t stream) {",
         *branches,
         "  return false;",
@@ -414,15 +417,15 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
                           scale: float, skip_factor: float = 0.0, kv_step: int = 256,
                           skip_counts: torch.Tensor | None = None,
                           softmax_stats: torch.Tensor | None = None,
-                          tile_map: torch.Tensor | None = None) -> torch.Tensor:
+                          tile_map: torch.Tensor | None = None, fresh_map: bool = False) -> torch.Tensor:
     """FMHAv2 SAGE attention on :func:`sage_quantize_packed`'s output, ``cu_seqlens`` / ``seqlens`` its key
     lengths. Returns ``[T, Hq, 128]`` bf16 at the keys' layout (the rows of zero queries included) with V's
     per-channel scales applied. ``skip_factor`` > 0 enables Skip-Softmax (λ_i = skip_factor / len_i);
     ``skip_counts`` (an int32 ``[1]`` view, :func:`fmha_v2_sage_attention`) receives the tiles its test skipped;
     ``softmax_stats`` (``[T, Hq, 2]`` float32, at :data:`LSE_KV_STEP`) each row's statistics
     (:func:`~.flashinfer_calls.fmha_v2_stats_lse`); ``tile_map`` (:func:`fmha_v2_sage_attention`, checked there)
-    runs the tile-map kernel, which reads a copy of it taken here and updates it in place, or at
-    :data:`FRESH_KV_STEP` the map-writing kernel, which reads none of it."""
+    runs the tile-map kernel, which reads a copy of it taken here and updates it in place, or with ``fresh_map``
+    the map-writing kernel, which reads none of it."""
     device = packed.qk.device
     heads_kv = packed.qk.shape[1] - heads_q
     out = torch.empty(packed.qk.shape[0], heads_q, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -434,7 +437,7 @@ def sage_attention_packed(packed: PackedSage, cu_seqlens: torch.Tensor, seqlens:
     # The kernel decides from the map as it was on entry while it ORs skipped tiles into the map: a warpgroup
     # running ahead must not change the words its partner and the DMA warp still read. Empty: no map, or the
     # map-writing kernel's, which reads none.
-    reads_map = tile_map is not None and kv_step != FRESH_KV_STEP
+    reads_map = tile_map is not None and not fresh_map
     tile_map_entry = tile_map.clone() if reads_map else torch.empty(0, dtype=torch.int32, device=device)
     tile_map = tile_map_entry if tile_map is None else tile_map
     # the kernel reads V's scales per query head
@@ -451,8 +454,8 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            seqlens: tuple[int, ...], scale: float, *, cu_seqlens_q: torch.Tensor | None = None,
                            seqlens_q: tuple[int, ...] | None = None, k_block: int = 64, kv_step: int = 256,
                            skip_factor: float = 0.0, skip_counts: torch.Tensor | None = None,
-                           return_lse: bool = False,
-                           tile_map: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                           return_lse: bool = False, tile_map: torch.Tensor | None = None,
+                           fresh_map: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SAGE attention (FP8 e4m3 Q/K/V, per-block Q/K scales, per-channel V) with optional Skip-Softmax on
     Hopper through TRT-LLM FMHAv2's warp-specialized kernel; quantization included.
 
@@ -473,19 +476,22 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     32)]`` contiguous on the tensors' device (:func:`tile_map_shape`): bit ``j % 32`` of word ``[b, h, i, j //
     32]`` set = KV tile ``j`` (keys ``[128 j, 128 j + 128)``) skipped for query tile ``i`` (rows ``[64 i, 64 i +
     64)``) of head ``h`` of sequence ``b``; bits past a sequence's tiles 0. The kernel skips the set tiles untested
-    (no Q·Kᵀ, exps or P·V for the query tile, no K/V load where both warpgroups' query tiles reuse the tile),
-    tests the others as without a map, and sets the bits of the tiles its test skipped (updated in place; zero
-    the map for a step that tests every tile). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step``
-    :data:`REUSE_KV_STEP`, no ``return_lse``; ``skip_factor`` 0 skips the map's tiles only. At ``kv_step``
-    :data:`FRESH_KV_STEP` (``skip_factor`` > 0) the map must be zeroed (a reuse window's first step): the
-    Skip-Softmax kernel of that step tests every tile, reads none of the map and sets the bits of the tiles it
-    skipped, each 128-key half of a step decided against the running max at the step's start as without a map.
+    (no Q·Kᵀ, exps or P·V for the query tile, no K/V load where both query tiles of a pair ``2k``, ``2k + 1``
+    reuse the tile), tests the others, each against the running max at the start of its step (the tiles either
+    query tile of the pair computes, two to a step in key order: ``SageSemantics.paired_tiles``), and sets the
+    bits of the tiles its test skipped (updated in place). Needs ``k_block`` :data:`REUSE_K_BLOCK`, ``kv_step``
+    :data:`REUSE_KV_STEP`, no ``return_lse``; ``skip_factor`` 0 skips the map's tiles only. With ``fresh_map``
+    (``skip_factor`` > 0) the map must be zeroed (a reuse window's first step): the Skip-Softmax kernel tests
+    every tile, reads none of the map and sets the bits of the tiles it skipped, each 128-key half of a step
+    decided against the running max at the step's start as without a map.
     ``skip_counts`` is then int32 ``[2]``: (tiles the test skipped, tiles reused: the bits set on entry, 0 for a
     zeroed map). GPUs: sm_90 (H100/H200); the first call on a machine compiles the kernels (see
     :func:`load_module`).
     """
     if tile_map is not None:
-        _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse, skip_factor)
+        _check_tile_map(tile_map, q, seqlens, seqlens_q, k_block, kv_step, return_lse, skip_factor, fresh_map)
+    elif fresh_map:
+        raise ValueError("fresh_map=True writes a tile map: pass the zeroed map as tile_map")
     if not any(k.k_block == k_block and k.kv_step == kv_step and k.lse == return_lse for k in sage_kernels()):
         raise ValueError(f"k_block={k_block!r} with kv_step={kv_step!r}{' and return_lse' if return_lse else ''} "
                          "has no compiled FMHAv2 SAGE kernel; compiled (k_block, kv_step, return_lse): "
@@ -509,10 +515,10 @@ def fmha_v2_sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     packed = sage_quantize_packed(q, k, v, cu_seqlens, max(seqlens), k_block,
                                   cu_seqlens_q if padded else None, max(seqlens_q) if padded else None)
     stats = torch.empty(k.shape[0], q.shape[1], 2, dtype=torch.float32, device=q.device) if return_lse else None
-    if skip_counts is not None and tile_map is not None and kv_step != FRESH_KV_STEP:
+    if skip_counts is not None and tile_map is not None and not fresh_map:
         skip_counts[1:].add_(bits_set(tile_map).sum().to(torch.int32))  # reused: the bits set on entry
     out = sage_attention_packed(packed, cu_seqlens, seqlens, q.shape[1], scale, skip_factor, kv_step,
-                                None if skip_counts is None else skip_counts[:1], stats, tile_map)
+                                None if skip_counts is None else skip_counts[:1], stats, tile_map, fresh_map)
     out = drop_padded_queries(out, seqlens_q, tuple(seqlens)) if padded else out
     if not return_lse:
         return out
@@ -538,7 +544,7 @@ def tile_map_shape(seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...], head
 
 def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int, ...],
                     seqlens_q: tuple[int, ...] | None, k_block: int, kv_step: int, return_lse: bool,
-                    skip_factor: float) -> None:
+                    skip_factor: float, fresh_map: bool = False) -> None:
     """Raise ValueError unless ``tile_map`` fits :func:`fmha_v2_sage_attention`'s call (its docstring)."""
     shape = tile_map_shape(tuple(seqlens if seqlens_q is None else seqlens_q), tuple(seqlens), q.shape[1])
     if tile_map.dtype != torch.int32 or tuple(tile_map.shape) != shape or not tile_map.is_contiguous():
@@ -550,12 +556,14 @@ def _check_tile_map(tile_map: torch.Tensor, q: torch.Tensor, seqlens: tuple[int,
     if tile_map.numel() >= 2 ** 31:
         raise ValueError(f"tile_map has {tile_map.numel()} words; the kernel addresses its rows with 32-bit offsets "
                          f"(fewer than 2^31 words): split the batch or its heads into several calls")
-    fresh = kv_step == FRESH_KV_STEP and skip_factor > 0
-    if k_block != REUSE_K_BLOCK or not (kv_step == REUSE_KV_STEP or fresh) or return_lse:
-        raise ValueError(f"a tile map runs on the kernel with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} "
-                         f"(or kv_step={FRESH_KV_STEP} with skip_factor > 0: a zeroed map written) and no "
-                         f"return_lse; got k_block={k_block}, kv_step={kv_step}, skip_factor={skip_factor}, "
-                         f"return_lse={return_lse}")
+    if -(-max(seqlens) // SKIP_TILE[1]) > MAX_MAP_TILES:
+        raise ValueError(f"a tile map's sequences have at most {MAX_MAP_TILES * SKIP_TILE[1]} keys (the kernel names "
+                         f"a step's tiles in 16 bits); got {max(seqlens)}")
+    if k_block != REUSE_K_BLOCK or kv_step != REUSE_KV_STEP or return_lse or (fresh_map and skip_factor <= 0):
+        raise ValueError(f"a tile map runs on the kernels with k_block={REUSE_K_BLOCK}, kv_step={REUSE_KV_STEP} "
+                         "and no return_lse (fresh_map, a zeroed map written: with skip_factor > 0); got "
+                         f"k_block={k_block}, kv_step={kv_step}, skip_factor={skip_factor}, "
+                         f"return_lse={return_lse}, fresh_map={fresh_map}")
 
 
 def smoothing_shift(q: torch.Tensor, k: torch.Tensor, seqlens_q: tuple[int, ...], seqlens_kv: tuple[int, ...],

@@ -43,10 +43,10 @@ uint32_t float_bits(float value) {
 //               Softmax_saver_tma), written by the kernels built with softmax statistics; empty: the kernels
 //               without them run
 // tile_map_entry, tile_map: int32 [batch, heads_q, query tiles, ceil(ceil(max_seqlen / 128) / 32)], contiguous,
-//               Skip-Softmax reuse (tile_map_reuse.patch): the tile-map kernel (kv_step 128) skips the tiles set
+//               Skip-Softmax reuse (tile_map_reuse.patch, kv_step 256): the tile-map kernel skips the tiles set
 //               in tile_map_entry (the caller's copy of tile_map) untested and ORs those its test skips into
-//               tile_map; the map-writing kernel (kv_step 256, Skip-Softmax) ORs the tiles it skips into a
-//               zeroed tile_map and reads no map (tile_map_entry empty); both empty: the kernels without a map
+//               tile_map; with tile_map_entry empty, the map-writing kernel (Skip-Softmax) ORs the tiles it skips
+//               into a zeroed tile_map and reads no map; both empty: the kernels without a map
 void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_starts, ffi::TensorView out,
                     ffi::TensorView q_scale, ffi::TensorView k_scale, ffi::TensorView v_scale,
                     ffi::TensorView cu_seqlens, ffi::TensorView tile_counter, ffi::TensorView skip_counts,
@@ -78,7 +78,7 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   const int64_t total_tokens = qk.shape()[0];
   const int64_t batch = cu_seqlens.shape()[0] - 1;
   const bool reuse = tile_map.numel() > 0;
-  const bool writes_map_only = reuse && kv_step == 256;  // the map-writing kernel: no entry map
+  const bool writes_map_only = reuse && tile_map_entry.numel() == 0;  // the map-writing kernel: no entry map
   if (reuse) {
     const int64_t words = ((max_seqlen + 127) / 128 + 31) / 32;
     for (const ffi::TensorView* map : {&tile_map_entry, &tile_map}) {
@@ -92,10 +92,11 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
           << "tile maps must be contiguous int32 [batch, heads_q, <= ceil(max_seqlen / 64), " << words << "]";
       TVM_FFI_ICHECK(map->shape()[2] == tile_map.shape()[2]) << "tile_map_entry and tile_map differ in shape";
     }
+    TVM_FFI_ICHECK_LE((max_seqlen + 127) / 128, 0xFFFF) << "tile maps: a step names its tiles in 16 bits";
     const bool skips = skip_softmax_threshold_scale_factor > 0.0;
-    TVM_FFI_ICHECK(q_block == 64 && (kv_step == 128 || (writes_map_only && skips)))
-        << "tile maps need 64-query steps of 128 keys (one tile), or of 256 keys with Skip-Softmax (the map "
-           "written only)";
+    TVM_FFI_ICHECK(q_block == 64 && kv_step == 256 && (skips || !writes_map_only))
+        << "tile maps need 64-query steps of 256 keys (two 128-key tiles), and Skip-Softmax where the map is "
+           "written only";
   }
   TVM_FFI_ICHECK(v_scale.ndim() == 3 && v_scale.shape()[0] == batch && v_scale.shape()[1] == heads_q &&
                  v_scale.shape()[2] == head_dim && v_scale.IsContiguous())
@@ -170,10 +171,10 @@ void sage_attention(ffi::TensorView qk, ffi::TensorView v_t, ffi::TensorView v_s
   cudaStream_t stream = get_stream(qk.device());
   TVM_FFI_ICHECK(launch_sage_kernel(static_cast<int>(q_block), static_cast<int>(k_block),
                                     static_cast<int>(kv_step), launch.enable_skip_softmax, save_stats, reuse,
-                                    params, launch, stream))
+                                    reuse && !writes_map_only, params, launch, stream))
       << "no SAGE kernel was built for q_block " << q_block << ", k_block " << k_block << ", kv_step " << kv_step
       << ", skip-softmax " << launch.enable_skip_softmax << ", softmax statistics " << save_stats << ", tile map "
-      << reuse;
+      << reuse << ", map read " << (reuse && !writes_map_only);
 }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sage_attention, sage_attention);
