@@ -20,7 +20,8 @@ from diffusers_trtllm.backends import run_backend
 from diffusers_trtllm.backends.base import KernelPlan, VarlenQKV
 from diffusers_trtllm.backends.reference import reference_attention
 from diffusers_trtllm.config import TORCH_REFERENCE, AttnQuantSpec
-from diffusers_trtllm.kernels import triton_sage
+from diffusers_trtllm.kernels import fmha_v2_sage, triton_sage
+from diffusers_trtllm.kernels.triton_sage import quantize as triton_quantize
 from diffusers_trtllm.kernels.numerics import HEAD_DIM
 from diffusers_trtllm.quant import SageSemantics, quantize_sequence
 
@@ -122,6 +123,9 @@ def _interpreter_cases():
         quant = AttnQuantSpec(dtype, 4, 16)
         cases.append((f"dense-{dtype}", ragged, quant, KernelPlan("triton", 128 ** -0.5, quant=quant, tile=SMALL_TILE),
                       small_launch))
+    # sequences past one K/V-statistics program (STATS_TOKENS * STATS_CHUNKS keys), the first past two
+    long = _random_qkv((1100, 600), (1100, 600), heads_q=2, heads_kv=1)
+    cases.append(("quantize-long", long, AttnQuantSpec("fp8_e4m3", 4, 16), None, None))
     peaky = _positional_qkv((128, 100), (160, 96), heads_q=2, heads_kv=1, sharpness=1.5)
     for dtype in QK_DTYPES:
         quant = AttnQuantSpec(dtype, 1, 16)
@@ -226,6 +230,23 @@ def test_quantizer_matches_reference_bit_for_bit(interpreted, dtype, q_block, k_
             assert torch.equal(a, b), name
 
 
+def test_k_is_smoothed_by_the_mean_over_every_statistics_program(interpreted):
+    """K's mean over a sequence longer than one statistics program adds every program's sums (each program writes
+    its own row, added in a fixed order so that a call repeats bit for bit: test_gpu_quantizer_is_deterministic).
+    Q and V match the reference bit for bit; K within one grid step, rarely, where the two sums' orders move the
+    mean by an ulp (a program's sums left out would move K by many steps)."""
+    cases, results = interpreted
+    qkv, quant, _ = cases["quantize-long"]
+    assert max(qkv.seqlens_kv) > 2 * triton_quantize.STATS_TOKENS * triton_quantize.STATS_CHUNKS
+    for got, (q, k, v, _) in zip(_unpack_quantized(results["quantize-long"], qkv), qkv.sequences()):
+        ref = quantize_sequence(q.float(), k.float(), v.float(), SageSemantics("fp8_e4m3", 4, 16))
+        for name, a, b in zip("q q_scale v v_scale".split(), got[:2] + got[4:], (ref.q, ref.q_scale, ref.v, ref.v_scale)):
+            assert torch.equal(a, b), name
+        assert ((got[3] - ref.k_scale).abs() <= 1e-6 * ref.k_scale).all()
+        diff = (got[2] - ref.k).abs()
+        assert (diff > 0).float().mean() < 1e-3 and (diff <= ref.k.abs().clamp_min(2 ** -6) * 2 ** -3).all()
+
+
 @pytest.mark.parametrize("dtype", QK_DTYPES)
 def test_dense_attention_matches_quantized_reference(interpreted, dtype):
     cases, results = interpreted
@@ -325,7 +346,7 @@ def test_gpu_quantizer_matches_reference(dtype, q_block, k_block):
         ref = quantize_sequence(q.float(), k.float(), v.float(), SageSemantics(dtype, q_block, k_block))
         # On CUDA, PyTorch divides by a Python scalar (amax / 127) as a multiplication by its reciprocal, so the
         # reference's scales can sit one float32 ulp from the kernel's exact division (bit-exact against the CPU
-        # reference: the interpreter tests); K's mean is also summed in another order (atomics). A value then
+        # reference: the interpreter tests); K's mean is also summed in another order (per program). A value then
         # lands at most one grid step away, rarely (0.12% of fp8 Q values with one scale per token on the H200).
         for name, values, scales, ref_values, ref_scales in (("q", got[0], got[1], ref.q, ref.q_scale),
                                                              ("k", got[2], got[3], ref.k, ref.k_scale),
@@ -334,6 +355,26 @@ def test_gpu_quantizer_matches_reference(dtype, q_block, k_block):
             step = 1.0 if dtype == "int8" and name != "v" else ref_values.abs().clamp_min(2 ** -6) * 2 ** -3
             diff = (values - ref_values).abs()
             assert (diff > 0).float().mean() < 1e-2 and (diff <= step).all(), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_block", [0, 16])
+def test_gpu_quantizer_is_deterministic(k_block):
+    """Sequences of many statistics programs quantize to the same bits at every call: K's sums are added in a fixed
+    order (float atomics added them in the order the programs finished, so K, and the FMHAv2 SAGE kernel's output,
+    changed in their last bits from call to call: benchmarks/RESULTS.md, 2026-12-06)."""
+    qkv = _random_qkv((5000, 3001), (5000, 3001), 8, 2, device="cuda")
+
+    def tensors():  # the Triton kernel's layouts (K blocks of 16), or FMHAv2's (one K scale per sequence: 0)
+        if k_block:
+            out = _quantize(qkv, AttnQuantSpec("fp8_e4m3", 4, k_block))
+        else:
+            out = fmha_v2_sage.sage_quantize_packed(qkv.q, qkv.k, qkv.v, qkv.cu_seqlens("kv"), qkv.max_seqlen_kv, 0)
+        return [x for x in out if isinstance(x, torch.Tensor)]
+
+    first = tensors()
+    for _ in range(20):
+        assert all(torch.equal(a, b) for a, b in zip(tensors(), first, strict=True))
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """The SAGE quantizer of the Triton kernels, two launches over a packed batch:
 
 1. ``_kv_stats_kernel``: per (sequence, kv head, channel) the sum of K (for the smoothing mean) and the max of |V|
-   (for V's per-channel scale), accumulated with atomics;
+   (for V's per-channel scale): each program's K sums in a row of their own, added in a fixed order after it;
 2. ``_sage_quantize_kernel``: one pass over Q, K and V writing int8 / fp8 values and their scales.
 
 Semantics: :mod:`diffusers_trtllm.quant` per sequence (Q and K per block of 1, 4 or 16 tokens from each sequence's
@@ -22,7 +22,7 @@ from ._triton import constexpr, jit, tl
 
 V_TOKEN_ALIGN = 16  # each sequence's V^T columns start on a 16-byte boundary, so V loads vectorize
 QUANTIZE_TOKENS = 64  # tokens per program of the quantization pass (raised to the Q/K block when larger)
-# The K/V reduction: tokens per chunk, and chunks one program folds before its atomics
+# The K/V reduction: tokens per chunk, and chunks one program folds before it writes its sums
 STATS_TOKENS = 128
 STATS_CHUNKS = 4
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 to the nearest integer, ties to even
@@ -123,13 +123,18 @@ def quantize_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     batch, heads_q, heads_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
     device = q.device
     tokens = max(QUANTIZE_TOKENS, q_block, k_block)
-    stats = [torch.zeros(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device) for _ in range(2)]
+    v_amax = torch.zeros(batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
     k_range = [torch.full((batch, heads_kv, HEAD_DIM), fill, dtype=torch.float32, device=device)
-               for fill in (-math.inf, math.inf)] if k_block == 0 else [stats[0], stats[0]]
-    k_sum, v_amax = stats
-    _kv_stats_kernel[(-(-max_seqlen_kv // (STATS_TOKENS * STATS_CHUNKS)), heads_kv, batch)](
-        k, v, k_sum, *k_range, v_amax, cu_seqlens_kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               for fill in (-math.inf, math.inf)] if k_block == 0 else [v_amax, v_amax]
+    # float atomics would add the programs' K sums in the order they finish, so the smoothing mean, the quantized
+    # K and the attention output would change from call to call in their last bits: each program writes its own
+    # row, summed in a fixed order
+    programs = -(-max_seqlen_kv // (STATS_TOKENS * STATS_CHUNKS))
+    k_sums = torch.zeros(programs, batch, heads_kv, HEAD_DIM, dtype=torch.float32, device=device)
+    _kv_stats_kernel[(programs, heads_kv, batch)](
+        k, v, k_sums, *k_range, v_amax, cu_seqlens_kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         TOKENS=STATS_TOKENS, CHUNKS=STATS_CHUNKS, HEAD_DIM=HEAD_DIM, K_RANGE=k_block == 0)
+    k_sum = k_sums.sum(0)
     q_rows = max_seqlen_kv if targets.q_padded_to_kv else max_seqlen_q  # rows Q programs write per sequence
     q_chunks, kv_chunks = -(-q_rows // tokens), -(-max_seqlen_kv // tokens)
     seq_stride = (lambda t: t.stride(0)) if targets.scales_by_sequence else (lambda t: 0)
@@ -184,14 +189,14 @@ def _round_half_even(x):
 
 
 @jit
-def _kv_stats_kernel(k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, v_amax_ptr, cu_kv_ptr, stride_kt, stride_kh,
+def _kv_stats_kernel(k_ptr, v_ptr, k_sums_ptr, k_max_ptr, k_min_ptr, v_amax_ptr, cu_kv_ptr, stride_kt, stride_kh,
                      stride_vt, stride_vh, TOKENS: tl.constexpr, CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      K_RANGE: tl.constexpr):
-    """Per (sequence, kv head): add the column sums of K over CHUNKS · TOKENS tokens into k_sum and their column
-    max of |V| into v_amax ([B, Hkv, D] float32, zero-initialised); with K_RANGE also K's column max and min (k_max
-    / k_min, initialised to -inf / +inf), from which the quantizer gets one smoothed-K scale per sequence and head.
-    Each program folds its chunks in registers and adds to the totals once (atomics per chunk cost more time than
-    reading K and V)."""
+    """Per (sequence, kv head): the column sums of K over this program's CHUNKS · TOKENS tokens into its row of
+    k_sums ([programs, B, Hkv, D] float32, zero-initialised: the caller adds the rows) and their column max of |V|
+    into v_amax ([B, Hkv, D] float32, zero-initialised); with K_RANGE also K's column max and min (k_max / k_min,
+    initialised to -inf / +inf), from which the quantizer gets one smoothed-K scale per sequence and head. Each
+    program folds its chunks in registers and writes once (max and min by atomics, whose order does not matter)."""
     program, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_kv_ptr + seq)
     length = tl.load(cu_kv_ptr + seq + 1) - start
@@ -216,7 +221,7 @@ def _kv_stats_kernel(k_ptr, v_ptr, k_sum_ptr, k_max_ptr, k_min_ptr, v_amax_ptr, 
             k_max = tl.maximum(k_max, tl.max(tl.where(valid, k, float("-inf")), 0))
             k_min = tl.minimum(k_min, tl.min(tl.where(valid, k, float("inf")), 0))
     stats = (seq * tl.num_programs(1) + head) * HEAD_DIM + dims
-    tl.atomic_add(k_sum_ptr + stats, k_sum)
+    tl.store(k_sums_ptr + program * tl.num_programs(2) * tl.num_programs(1) * HEAD_DIM + stats, k_sum)
     tl.atomic_max(v_amax_ptr + stats, v_amax)
     if K_RANGE:
         tl.atomic_max(k_max_ptr + stats, k_max)
