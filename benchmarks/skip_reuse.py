@@ -9,7 +9,7 @@ Data: the published-curve model of DESIGN.md §7 (each (head, 128-key tile) one 
 offset), so that the factor a·exp(b·s) of NVIDIA's Wan 2.2 fit skips about a fraction s of the tiles.
 
 FMHAv2 runs its dense and Skip-Softmax rows at the route's 256-key steps and its reuse rows on the tile-map kernel
-(one 128-key tile per step). Reuse (``fmha_v2_sage.fmha_v2_sage_attention(..., tile_map=...)``,
+(256-key steps of two gathered 128-key tiles). Reuse (``fmha_v2_sage.fmha_v2_sage_attention(..., tile_map=...)``,
 ``triton_sage.triton_sage_attention(..., tile_map=...)`` at q/k blocks 1/16): a call with a zeroed map
 (every tile tested: "sage+reuse first step", FMHAv2's on the 256-key Skip-Softmax kernel that writes the map, as
 the route runs a reuse window's first step) leaves the map of the tiles it skipped; "sage+reuse" runs from that

@@ -1,10 +1,12 @@
-"""A model of the FMHAv2 tile-map kernels' synchronization, for the stall of the gathered-pair kernels (WIP branch):
-one DMA warp, two compute warpgroups of four warps, K/V slots whose full and empty mbarriers are waited on by
-parity, the ordered mutex (its barriers count the four warps), the vote barrier and each GMMA as a four-warp
-rendezvous, and only warp 0 releasing a step's slot. Random schedules (any warp may lag any time); prints how many
-of N seeds deadlock, without and with a warpgroup barrier after the V wait on the steps with no GMMA after it
-(``fix``), with FlashInfer's turns and with the spanning turn. Any interleaving is allowed, so it finds hazards
-whatever their odds on a GPU: it flags FlashInfer's own skipped-step path too.
+"""A model of the FMHAv2 tile-map kernels' synchronization (``tile_map_reuse.patch``), which found the gathered-pair
+kernels' stall: one DMA warp, two compute warpgroups of four warps, query tiles of one to four loaded steps, a Q
+buffer per warpgroup and K/V slots whose full and empty mbarriers are waited on by parity, the ordered mutex (its
+barriers count the four warps), the vote barrier and each GMMA as a four-warp rendezvous, and only warp 0 releasing
+a buffer. Random schedules (any warp may lag any time); prints how many of N seeds deadlock, without and with a
+warpgroup barrier after the V wait on the steps with no GMMA after it (``fix``), an empty last step releasing Q
+before or after that barrier (``q_after_barrier``), with FlashInfer's turns and with the spanning turn. Any
+interleaving is allowed, so it finds hazards whatever their odds on a GPU: it flags FlashInfer's own skipped-step
+path too.
 
     python benchmarks/sync_model.py 300
 
@@ -74,7 +76,7 @@ def simulate(seed, tiles=12, slots=3, fix=False, q_after_barrier=False, spanning
         def meet(name):
             r = rendezvous(g, name); gen = r.gen
             yield ('do', r.arrive); yield ('wait', lambda: r.gen > gen)
-        def release_q(t):
+        def release_q():
             if w == 0:
                 yield ('do', lambda: q_empty[g].arrive())
         s = 0
@@ -89,14 +91,14 @@ def simulate(seed, tiles=12, slots=3, fix=False, q_after_barrier=False, spanning
                         yield ('do', lambda: mutex[g].arrive()); yield mwait()
                     else:
                         yield mwait(); yield ('do', lambda: mutex[g].arrive())
-                    if last and not q_after_barrier: yield from release_q(t)
+                    if last and not q_after_barrier: yield from release_q()
                     yield ('wait', lambda slot=slot, use=use: full[slot].passed(use % 2))  # V wait
                     if fix: yield from meet(('fix', s))
-                    if last and q_after_barrier: yield from release_q(t)
+                    if last and q_after_barrier: yield from release_q()
                 else:
                     if not spanning or first: yield mwait()
                     yield from meet(('bmm1', s))
-                    if last: yield from release_q(t)
+                    if last: yield from release_q()
                     yield ('do', lambda: mutex[g].arrive())
                     if not spanning:
                         yield from meet(('vote', s))
